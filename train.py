@@ -1,0 +1,522 @@
+"""Train a GPT on packed documents.
+
+    python train.py                                   # the CPU quickstart on the built-in corpus
+    python train.py configs/gpt2_small_gpu.toml       # a config file
+    python train.py --doc_mask=false --max_iters=100  # any field as --key=value, after the file
+
+Every setting is a field of `Config` below, with its default and help text. The resolved config is
+saved to out_dir/config.json; metrics go to out_dir/metrics.jsonl; the checkpoint to out_dir/ckpt.pt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+import tomllib
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import data
+from data import IGNORE_INDEX, Batch, DataError, PackedBatches
+from model import GPT, GPTConfig, use_flex
+
+
+def _f(default, help: str, choices: tuple | None = None, minimum: float | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices, "min": minimum})
+
+
+@dataclass
+class Config:
+    # data
+    dataset: str = _f("stdlib", "'stdlib' (top-level functions and classes of the Python standard library), "
+                      "'stdlib-files' (whole modules), a directory of text files, a .jsonl file with a 'text' "
+                      "field, or a text file of documents separated by <|endoftext|>")
+    data_dir: str = _f("data", "where prepared shards are kept (one folder per dataset and tokenizer)")
+    tokenizer: str = _f("bpe", "'bpe' (train one on the corpus with rustbpe), a tiktoken name such as 'gpt2' "
+                        "(downloads on first use), or a path to a .tiktoken file")
+    tokenizer_vocab_size: int = _f(8192, "vocabulary size of a trained 'bpe' tokenizer, EOT included", minimum=257)
+    val_fraction: float = _f(0.05, "fraction of documents held out for validation", minimum=0.0)
+    packing: str = _f("concat", "'concat': contiguous rows of the document stream; 'pad': one document "
+                      "(or chunk) per row, padded", choices=("concat", "pad"))
+    # the three fixes (README: "The three flags")
+    doc_mask: bool = _f(True, "attend only within the document (block-diagonal causal); false: causal across documents")
+    reset_position_ids: bool = _f(True, "restart position ids at 0 after each EOT; false: 0..seq_len-1 across the row")
+    mask_boundary_loss: bool = _f(True, "ignore the target predicted from each EOT (the next document's first token)")
+    # model
+    pos_emb: str = _f("learned", "position encoding", choices=("learned", "rope"))
+    seq_len: int = _f(256, "tokens per row (the context length)", minimum=2)
+    n_layer: int = _f(4, "transformer blocks", minimum=1)
+    n_head: int = _f(4, "attention heads", minimum=1)
+    n_embd: int = _f(128, "model width", minimum=2)
+    dropout: float = _f(0.0, "dropout on embeddings and residual branches (attention itself has none)", minimum=0.0)
+    attn_impl: str = _f("auto", "'auto': FlexAttention on CUDA, SDPA elsewhere", choices=("auto", "flex", "sdpa"))
+    # optimisation
+    batch_size: int = _f(16, "rows per micro-batch", minimum=1)
+    grad_accum: int = _f(1, "micro-batches per optimizer step", minimum=1)
+    max_iters: int = _f(1200, "optimizer steps", minimum=0)
+    lr: float = _f(3e-3, "peak learning rate", minimum=0.0)
+    min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay", minimum=0.0)
+    warmup_iters: int = _f(50, "linear warmup steps", minimum=0)
+    weight_decay: float = _f(0.1, "AdamW weight decay on matrices (not on norms)", minimum=0.0)
+    beta1: float = _f(0.9, "AdamW beta1", minimum=0.0)
+    beta2: float = _f(0.99, "AdamW beta2", minimum=0.0)
+    grad_clip: float = _f(1.0, "clip the gradient norm to this (0: off)", minimum=0.0)
+    # evaluation, logging, checkpoints
+    eval_interval: int = _f(200, "evaluate and checkpoint every this many steps (and at the end)", minimum=1)
+    eval_rows: int = _f(0, "validation rows per evaluation for each loss (0: all)", minimum=0)
+    log_interval: int = _f(20, "print and log training metrics every this many steps", minimum=1)
+    sample_prompt: str = _f("def ", "prompt of the sample printed at the end ('' for none)")
+    sample_tokens: int = _f(80, "tokens in that sample", minimum=0)
+    out_dir: str = _f("out", "where config.json, metrics.jsonl and ckpt.pt are written")
+    resume: bool = _f(False, "continue from out_dir/ckpt.pt")
+    seed: int = _f(0, "seed of the model init and the data order")
+    data_seed: int = _f(1337, "seed of the train/val split and tokenizer data (kept fixed across runs)")
+    device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'")
+    dtype: str = _f("auto", "'auto' (bfloat16 autocast on CUDA, float32 elsewhere)", choices=("auto", "float32", "bfloat16"))
+    compile: bool = _f(False, "torch.compile the model (CUDA)")
+    wandb: bool = _f(False, "log to Weights & Biases (mode from WANDB_MODE, e.g. offline)")
+    wandb_project: str = _f("packed-gpt", "wandb project")
+    wandb_run_name: str = _f("", "wandb run name ('' for out_dir's name)")
+
+
+# Keys that may change when resuming: they alter neither the model nor the data it sees.
+RESUMABLE_CHANGES = {
+    "max_iters", "eval_interval", "eval_rows", "log_interval", "sample_prompt", "sample_tokens", "resume",
+    "device", "compile", "wandb", "wandb_project", "wandb_run_name", "data_dir", "out_dir",
+}
+
+
+class ConfigError(Exception):
+    """Bad settings; printed as one line."""
+
+
+class TrainingDiverged(Exception):
+    """The loss became non-finite; printed as one line."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration: defaults < TOML file < --key=value
+
+
+def _coerce(name: str, value, kind: type):
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif kind is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{name}={value!r}: expected {kind.__name__}")
+
+
+def parse_config(argv: list[str]) -> Config:
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    types = {"bool": bool, "int": int, "float": float, "str": str}
+    values: dict = {}
+    if argv and not argv[0].startswith("--"):
+        path = Path(argv[0])
+        try:
+            values.update(tomllib.loads(path.read_text()))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} does not parse: {e}") from None
+        argv = argv[1:]
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise ConfigError(f"bad argument {arg!r}: use --key=value (a config file may come first)")
+        key, value = arg[2:].split("=", 1)
+        values[key] = value
+    for key in values:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"unknown config key {key!r}{hint}; run 'python train.py --help' for the keys")
+    cfg = Config(**{k: _coerce(k, v, types[fields[k].type]) for k, v in values.items()})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    for f in dataclasses.fields(Config):
+        value, choices, minimum = getattr(cfg, f.name), f.metadata["choices"], f.metadata["min"]
+        if choices and value not in choices:
+            raise ConfigError(f"{f.name}={value!r}: choose one of {', '.join(choices)}")
+        if minimum is not None and value < minimum:
+            raise ConfigError(f"{f.name}={value!r}: must be at least {minimum}")
+    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
+        raise ConfigError(f"n_embd={cfg.n_embd} must split into n_head={cfg.n_head} heads of even size")
+    if not 0 < cfg.val_fraction < 1:
+        raise ConfigError(f"val_fraction={cfg.val_fraction}: must be between 0 and 1")
+    if cfg.min_lr > cfg.lr:
+        raise ConfigError(f"min_lr={cfg.min_lr} is above lr={cfg.lr}")
+    if not (cfg.dropout < 1 and cfg.beta1 < 1 and cfg.beta2 < 1):
+        raise ConfigError("dropout, beta1 and beta2 must be below 1")
+
+
+def help_text() -> str:
+    lines = [__doc__.strip(), "", "settings (default):"]
+    for f in dataclasses.fields(Config):
+        choices = f" [{'|'.join(f.metadata['choices'])}]" if f.metadata["choices"] else ""
+        lines.append(f"  --{f.name}={f.default!r}{choices}\n      {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training pieces
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device={name!r}: use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but CUDA is not available here; use device=cpu")
+    return device
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warmup, then cosine decay from lr to min_lr at max_iters."""
+    if step < cfg.warmup_iters:
+        return cfg.lr * (step + 1) / cfg.warmup_iters
+    progress = (step - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (cfg.lr - cfg.min_lr)
+
+
+def make_optimizer(model: GPT, cfg: Config, device: torch.device) -> torch.optim.AdamW:
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    others = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": cfg.weight_decay}, {"params": others, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+
+
+def summed_loss(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of per-token cross-entropy over counted targets, number of counted targets)."""
+    logits = model(batch.inputs, batch.doc_ids, batch.position_ids)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, (batch.targets != IGNORE_INDEX).sum()
+
+
+def accumulate_gradients(model: torch.nn.Module, micro_batches: list[Batch], autocast) -> torch.Tensor:
+    """Backward over all micro-batches of one step. The loss is normalised by the counted targets of
+    the whole step, so every target weighs the same however they fall into micro-batches."""
+    n_counted = sum((b.targets != IGNORE_INDEX).sum() for b in micro_batches).clamp(min=1)
+    total = torch.zeros((), device=micro_batches[0].inputs.device)
+    for batch in micro_batches:
+        with autocast:
+            loss_sum, _ = summed_loss(model, batch)
+        loss = loss_sum / n_counted
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, shards: data.Shards, cfg: Config, device: torch.device, autocast) -> dict:
+    """val_loss: packed validation rows under this run's packing and flags.
+    val_doc_loss: every validation document alone from position 0 (the inference setting; the same
+    computation for every run), with its loss by position within the document."""
+    model.eval()
+    max_rows = cfg.eval_rows or None
+    common = dict(stream=shards.val, eot_id=shards.eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, shuffle=False)
+    packed = PackedBatches(packing=cfg.packing, reset_position_ids=cfg.reset_position_ids,
+                           mask_boundary_loss=cfg.mask_boundary_loss, **common)
+    alone = PackedBatches(packing="pad", **common)
+    total, count = torch.zeros((), device=device), torch.zeros((), device=device)
+    for batch in packed.all_batches(max_rows):
+        with autocast:
+            loss_sum, n = summed_loss(model, batch.to(device))
+        total, count = total + loss_sum, count + n
+    doc_total, doc_count = torch.zeros((), device=device), torch.zeros((), device=device)
+    by_pos_sum = torch.zeros(cfg.seq_len, device=device)
+    by_pos_count = torch.zeros(cfg.seq_len, device=device)
+    for batch in alone.all_batches(max_rows):
+        batch = batch.to(device)
+        with autocast:
+            logits = model(batch.inputs, batch.doc_ids, batch.position_ids)
+        losses = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(),
+                                 ignore_index=IGNORE_INDEX, reduction="none")
+        counted = batch.targets.flatten() != IGNORE_INDEX
+        doc_total, doc_count = doc_total + losses.sum(), doc_count + counted.sum()
+        early = counted & (batch.doc_positions.flatten() < cfg.seq_len)  # later chunks of long documents
+        positions = batch.doc_positions.flatten()[early]
+        by_pos_sum.index_add_(0, positions, losses[early])
+        by_pos_count.index_add_(0, positions, torch.ones_like(positions, dtype=torch.float))
+    model.train()
+    n_positions = int((by_pos_count > 0).sum())
+    by_position = (by_pos_sum / by_pos_count.clamp(min=1))[:n_positions]
+    return {
+        "val_loss": (total / count.clamp(min=1)).item(),
+        "val_doc_loss": (doc_total / doc_count.clamp(min=1)).item(),
+        "val_doc_loss_by_position": [round(x, 4) for x in by_position.tolist()],
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints and logs
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """Write to a temporary file and rename it over the old one, so a kill mid-save leaves the
+    previous checkpoint intact."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, cfg: Config) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"resume=true but {path} does not exist; start without --resume=true")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise ConfigError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
+    saved = state["config"]
+    changed = sorted(k for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_CHANGES and saved.get(k) != v)
+    if changed:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)
+        raise ConfigError(f"cannot resume {path} with a different model or data setting ({detail})")
+    return state
+
+
+def rng_states() -> dict:
+    return {
+        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class MetricsLog:
+    """out_dir/metrics.jsonl, plus wandb when asked for."""
+
+    def __init__(self, out_dir: Path, cfg: Config, resume_step: int | None) -> None:
+        self.path = out_dir / "metrics.jsonl"
+        if resume_step is None:
+            self.path.write_text("")
+        else:  # drop what was logged after the checkpoint, so the log reads as one run
+            kept = [l for l in self.path.read_text().splitlines() if json.loads(l)["step"] <= resume_step] \
+                if self.path.exists() else []
+            self.path.write_text("".join(l + "\n" for l in kept))
+        self.wandb_run = None
+        if cfg.wandb:
+            try:
+                import wandb
+
+                self.wandb_run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or out_dir.name,
+                                            config=dataclasses.asdict(cfg), dir=str(out_dir), resume="allow")
+            except Exception as e:
+                print(f"warning: wandb logging is off ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                      "set WANDB_MODE=offline to log without an account", file=sys.stderr)
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if not isinstance(v, list)}, step=record["step"])
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class StopRequest:
+    """Ctrl-C / SIGTERM: finish the step in flight, checkpoint, exit 0."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+
+
+def check_out_dir(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"out_dir {out_dir} is not writable ({e.strerror})") from None
+
+
+def train(cfg: Config) -> dict:
+    """Run training as configured; returns the last evaluation."""
+    device = resolve_device(cfg.device)
+    if device.type != "cuda" and cfg.attn_impl == "flex":
+        raise ConfigError("attn_impl=flex needs CUDA: FlexAttention has no backward on CPU; use attn_impl=sdpa")
+    out_dir = Path(cfg.out_dir)
+    check_out_dir(out_dir)
+    ckpt_path = out_dir / "ckpt.pt"
+    checkpoint = load_checkpoint(ckpt_path, cfg) if cfg.resume else None
+    if cfg.packing == "pad" and not (cfg.doc_mask and cfg.reset_position_ids and cfg.mask_boundary_loss):
+        print("warning: with packing=pad each row holds one document, so the three flags change nothing", file=sys.stderr)
+
+    shard_path = data.prepare(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.tokenizer_vocab_size, cfg.val_fraction, cfg.data_seed)
+    shards = data.load_shards(shard_path)
+    if checkpoint is not None and checkpoint["tokenizer_sha256"] != shards.meta["tokenizer_sha256"]:
+        raise ConfigError(f"{ckpt_path} was trained with another tokenizer than the shards in {shard_path}")
+    train_batches = PackedBatches(shards.train, shards.eot_id, cfg.seq_len, cfg.batch_size, cfg.packing, True,
+                                  cfg.seed, cfg.reset_position_ids, cfg.mask_boundary_loss)
+    PackedBatches(shards.val, shards.eot_id, cfg.seq_len, 1, cfg.packing)  # fails early if val has no full row
+
+    torch.manual_seed(cfg.seed)
+    vocab_size = math.ceil(shards.vocab_size / 64) * 64  # a multiple of 64 is faster on GPU
+    model_config = GPTConfig(vocab_size=vocab_size, seq_len=cfg.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                             n_embd=cfg.n_embd, dropout=cfg.dropout, pos_emb=cfg.pos_emb, doc_mask=cfg.doc_mask,
+                             attn_impl=cfg.attn_impl)
+    model = GPT(model_config).to(device)
+    optimizer = make_optimizer(model, cfg, device)
+    start_step = 0
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        train_batches.load_state_dict(checkpoint["data"])
+        set_rng_states(checkpoint["rng"])
+        start_step = checkpoint["step"]
+    step_model = torch.compile(model) if cfg.compile else model
+    use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+
+    (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    log = MetricsLog(out_dir, cfg, start_step if checkpoint else None)
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
+    print(f"model: {model.num_params() / 1e6:.2f}M parameters, pos_emb={cfg.pos_emb}, device={device}, "
+          f"attention={'flex' if model_config.doc_mask and use_flex(model_config, device) else 'sdpa'}")
+    print(f"run: {cfg.max_iters} steps of {tokens_per_step:,} tokens, packing={cfg.packing}, doc_mask={cfg.doc_mask}, "
+          f"reset_position_ids={cfg.reset_position_ids}, mask_boundary_loss={cfg.mask_boundary_loss}"
+          + (f", resuming after step {start_step}" if checkpoint else ""))
+
+    def checkpoint_state(step: int) -> dict:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": dataclasses.asdict(cfg),
+                "model_config": dataclasses.asdict(model_config), "step": step, "data": train_batches.state_dict(),
+                "rng": rng_states(), "tokenizer_sha256": shards.meta["tokenizer_sha256"], "shards": str(shard_path)}
+
+    stop = StopRequest()
+    result: dict = {}
+    t_log, counted_since_log, nonfinite = time.time(), torch.zeros((), device=device), torch.zeros((), dtype=torch.bool, device=device)
+    t_start, first_step = time.time(), start_step
+    for step in range(start_step + 1, cfg.max_iters + 1):
+        lr = lr_at(step - 1, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        micro_batches = [train_batches.next().to(device, non_blocking=True) for _ in range(cfg.grad_accum)]
+        loss = accumulate_gradients(step_model, micro_batches, autocast)
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        nonfinite |= ~torch.isfinite(loss)
+        counted_since_log += sum((b.targets != IGNORE_INDEX).sum() for b in micro_batches)
+
+        last = step == cfg.max_iters
+        if step % cfg.log_interval == 0 or last or stop.requested:
+            if nonfinite.item():
+                log.close()
+                raise TrainingDiverged(f"loss became non-finite by step {step} (last value {loss.item()}); "
+                                       f"the last good checkpoint is kept in {ckpt_path}")
+            now = time.time()
+            elapsed_steps = (step - 1) % cfg.log_interval + 1
+            tok_s = elapsed_steps * tokens_per_step / (now - t_log)
+            eta = (now - t_start) / (step - first_step) * (cfg.max_iters - step)
+            record = {"step": step, "train_loss": round(loss.item(), 4), "lr": lr, "tokens_per_sec": round(tok_s),
+                      "counted_tokens_per_sec": round(counted_since_log.item() / (now - t_log))}
+            log.write(record)
+            print(f"step {step:>5}/{cfg.max_iters} | loss {record['train_loss']:.4f} | lr {lr:.2e} | "
+                  f"{tok_s:,.0f} tok/s | ETA {format_duration(eta)}", flush=True)
+            t_log, counted_since_log = time.time(), torch.zeros((), device=device)
+        if step % cfg.eval_interval == 0 or last:
+            t_eval = time.time()
+            result = {"step": step, **evaluate(step_model, shards, cfg, device, autocast)}
+            if not (math.isfinite(result["val_loss"]) and math.isfinite(result["val_doc_loss"])):
+                log.close()
+                raise TrainingDiverged(f"validation loss is non-finite at step {step}; "
+                                       f"the last good checkpoint is kept in {ckpt_path}")
+            log.write(result)
+            save_checkpoint(ckpt_path, checkpoint_state(step))
+            print(f"eval {step:>5} | val_loss {result['val_loss']:.4f} | val_doc_loss {result['val_doc_loss']:.4f} "
+                  f"| {time.time() - t_eval:.1f}s, checkpoint saved", flush=True)
+            t_log += time.time() - t_eval  # evaluation time does not count against training throughput
+        if stop.requested and not last:
+            save_checkpoint(ckpt_path, checkpoint_state(step))
+            log.close()
+            print(f"stopped after step {step}; resume with: python train.py {' '.join(sys.argv[1:])} --resume=true")
+            return result
+    log.close()
+    if cfg.sample_prompt and cfg.sample_tokens and result:
+        enc = data.load_tokenizer(shard_path)
+        prompt = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
+        with autocast:
+            out = model.eval().generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50, stop_token=shards.eot_id)
+        text = enc.decode([t for t in out[0].tolist() if t < enc.n_vocab and t != shards.eot_id])
+        print(f"\nfinal val_doc_loss {result['val_doc_loss']:.4f} (val_loss {result['val_loss']:.4f})")
+        print(f"sample:\n{text}")
+    return result
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        return 0
+    try:
+        train(parse_config(argv))
+    except (ConfigError, DataError, TrainingDiverged) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
