@@ -287,22 +287,26 @@ def prepare(
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    write_tiktoken_file(enc, tmp / "tokenizer.tiktoken")
-    meta = {
-        "format_version": SHARD_FORMAT_VERSION,
-        "dataset": dataset, "tokenizer": tokenizer, "tokenizer_name": enc.name, "pattern": enc._pat_str,
-        "tokenizer_sha256": hashlib.sha256((tmp / "tokenizer.tiktoken").read_bytes()).hexdigest(),
-        "vocab_size": enc.n_vocab, "eot_id": enc.eot_token, "val_fraction": val_fraction, "seed": seed,
-        "skipped": skipped, "splits": {},
-    }
-    for split, split_docs in (("train", train_docs), ("val", val_docs)):
-        stream = encode_documents(enc, split_docs)
-        stream.tofile(tmp / f"{split}.bin")
-        meta["dtype"] = stream.dtype.name
-        meta["splits"][split] = {"documents": len(split_docs), "tokens": int(stream.size)}
-        log(f"data: {split}: {len(split_docs):,} documents, {stream.size:,} tokens")
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out)  # atomic: the folder appears only when complete
+    try:
+        write_tiktoken_file(enc, tmp / "tokenizer.tiktoken")
+        meta = {
+            "format_version": SHARD_FORMAT_VERSION,
+            "dataset": dataset, "tokenizer": tokenizer, "tokenizer_name": enc.name, "pattern": enc._pat_str,
+            "tokenizer_sha256": hashlib.sha256((tmp / "tokenizer.tiktoken").read_bytes()).hexdigest(),
+            "vocab_size": enc.n_vocab, "eot_id": enc.eot_token, "val_fraction": val_fraction, "seed": seed,
+            "skipped": skipped, "splits": {},
+        }
+        for split, split_docs in (("train", train_docs), ("val", val_docs)):
+            stream = encode_documents(enc, split_docs)
+            stream.tofile(tmp / f"{split}.bin")
+            meta["dtype"] = stream.dtype.name
+            meta["splits"][split] = {"documents": len(split_docs), "tokens": int(stream.size)}
+            log(f"data: {split}: {len(split_docs):,} documents, {stream.size:,} tokens")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, out)  # atomic: the folder appears only when complete
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     log(f"data: wrote {out} in {time.time() - t0:.1f}s")
     return out
 

@@ -75,6 +75,7 @@ def use_flex(config: GPTConfig, device: torch.device) -> bool:
     return config.attn_impl == "flex" or (config.attn_impl == "auto" and device.type == "cuda")
 
 
+@torch.compiler.disable  # built eagerly (its own compiled kernel on CUDA), outside a compiled model's graph
 def attention_mask(doc_ids: torch.Tensor, config: GPTConfig) -> AttentionMask:
     """The doc_mask flag: its whole effect is this function."""
     if not config.doc_mask:

@@ -65,16 +65,16 @@ class Config:
     # optimisation
     batch_size: int = _f(16, "rows per micro-batch", minimum=1)
     grad_accum: int = _f(1, "micro-batches per optimizer step", minimum=1)
-    max_iters: int = _f(1200, "optimizer steps", minimum=0)
+    max_iters: int = _f(300, "optimizer steps", minimum=0)
     lr: float = _f(3e-3, "peak learning rate", minimum=0.0)
     min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay", minimum=0.0)
-    warmup_iters: int = _f(50, "linear warmup steps", minimum=0)
+    warmup_iters: int = _f(30, "linear warmup steps", minimum=0)
     weight_decay: float = _f(0.1, "AdamW weight decay on matrices (not on norms)", minimum=0.0)
     beta1: float = _f(0.9, "AdamW beta1", minimum=0.0)
     beta2: float = _f(0.99, "AdamW beta2", minimum=0.0)
     grad_clip: float = _f(1.0, "clip the gradient norm to this (0: off)", minimum=0.0)
     # evaluation, logging, checkpoints
-    eval_interval: int = _f(200, "evaluate and checkpoint every this many steps (and at the end)", minimum=1)
+    eval_interval: int = _f(150, "evaluate and checkpoint every this many steps (and at the end)", minimum=1)
     eval_rows: int = _f(0, "validation rows per evaluation for each loss (0: all)", minimum=0)
     log_interval: int = _f(20, "print and log training metrics every this many steps", minimum=1)
     sample_prompt: str = _f("def ", "prompt of the sample printed at the end ('' for none)")
@@ -342,7 +342,8 @@ class MetricsLog:
                 import wandb
 
                 self.wandb_run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or out_dir.name,
-                                            config=dataclasses.asdict(cfg), dir=str(out_dir), resume="allow")
+                                            config=dataclasses.asdict(cfg), resume="allow",
+                                            dir=os.environ.get("WANDB_DIR", str(out_dir)))
             except Exception as e:
                 print(f"warning: wandb logging is off ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                       "set WANDB_MODE=offline to log without an account", file=sys.stderr)

@@ -1,0 +1,41 @@
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WORDS = ("def class return self value items for in if else while import from yield lambda None True False "
+         "data list dict key append result print range len open read write").split()
+
+
+def make_documents(n: int, seed: int = 0) -> list[str]:
+    """Small synthetic documents with learnable structure (a header line, then indented lines)."""
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        lines = [f"def f{i % 50}({rng.choice(WORDS)}):"]
+        for _ in range(rng.randint(1, 12)):
+            lines.append("    " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))))
+        docs.append("\n".join(lines) + "\n")
+    return docs
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> Path:
+    """A .jsonl corpus of 600 short documents."""
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in make_documents(600)))
+    return path
+
+
+def tiny_args(corpus: Path, data_dir: Path, out_dir: Path, **overrides) -> list[str]:
+    """train.py arguments for a run that takes a few seconds on a CPU."""
+    settings = dict(dataset=corpus, data_dir=data_dir, out_dir=out_dir, tokenizer_vocab_size=320, seq_len=64,
+                    n_layer=2, n_head=2, n_embd=32, batch_size=4, max_iters=6, eval_interval=3, log_interval=1,
+                    warmup_iters=2, eval_rows=16, sample_tokens=0)
+    settings.update(overrides)
+    return [f"--{k}={v}" for k, v in settings.items()]

@@ -1,0 +1,79 @@
+"""Attention masking (model.py): the dense mask and the FlexAttention BlockMask agree, and pin the
+document-causal semantics down."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
+
+from data import document_ids
+from model import GPTConfig, attend, attention_mask, compiled_flex_attention, document_causal_block_mask, document_causal_dense
+
+EOT = 99
+
+
+def test_worked_example_allowed_matrix_is_three_lower_triangles():
+    doc = document_ids(torch.tensor([[1, 1, EOT, 2, EOT, 3, 3, EOT]]), EOT)
+    allowed = document_causal_dense(doc)[0, 0].int()
+    expected = torch.zeros(8, 8, dtype=torch.int)
+    for start, end in [(0, 3), (3, 5), (5, 8)]:
+        expected[start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.int).tril()
+    assert torch.equal(allowed, expected)
+
+
+def test_doc_mask_off_means_plain_causal():
+    doc = torch.tensor([[0, 0, 1, 1]])
+    assert attention_mask(doc, GPTConfig(doc_mask=False)) is None
+    q = torch.randn(1, 2, 4, 8)
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    assert torch.allclose(attend(q, q, q, None), F.scaled_dot_product_attention(q, q, q, attn_mask=causal), atol=1e-6)
+
+
+def layouts_batch(T: int = 256) -> torch.Tensor:
+    """Different document layouts per sample: many short documents, one long one, a boundary at 0 and at
+    T-1, single-token documents, and boundaries that do not fall on 128-token blocks."""
+    rows = []
+    for lengths in ([T], [1, 1, 1, T - 3], [37, 91, 128], [T - 1, 1], [3] * (T // 3) + [T % 3], [129, 127]):
+        tokens = []
+        for n in lengths:
+            tokens += [5] * (n - 1) + [EOT]
+        rows.append(torch.tensor(tokens[:T]))
+    return document_ids(torch.stack(rows), EOT)
+
+
+def qkv(B: int, T: int, H: int = 4, D: int = 32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, T, D, generator=g) for _ in range(3))
+
+
+def test_block_mask_matches_dense_mask():
+    doc = layouts_batch()
+    block_mask = document_causal_block_mask(doc)
+    assert block_mask.shape[0] == doc.shape[0]  # one mask per sample (B = batch size, never None)
+    dense = torch.stack([block_mask.mask_mod(torch.tensor(b), torch.tensor(0), torch.arange(256)[:, None],
+                                             torch.arange(256)[None, :]) for b in range(doc.shape[0])])
+    assert torch.equal(dense, document_causal_dense(doc)[:, 0])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_flex_forward_matches_dense_sdpa(compiled):
+    doc = layouts_batch()
+    q, k, v = qkv(doc.shape[0], doc.shape[1])
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_dense(doc))
+    flex = compiled_flex_attention() if compiled else flex_attention
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # eager flex warns that it is a slow reference
+        got = flex(q, k, v, block_mask=document_causal_block_mask(doc))
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    # the test can fail: the same kernel with a shuffled batch of masks disagrees
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        wrong = flex(q, k, v, block_mask=document_causal_block_mask(doc.roll(1, dims=0)))
+    assert not torch.allclose(wrong, expected, atol=1e-3)
+
+
+def test_every_query_attends_to_at_least_itself():
+    allowed = document_causal_dense(layouts_batch())
+    assert allowed.diagonal(dim1=-2, dim2=-1).all()

@@ -1,0 +1,48 @@
+"""Each ablation flag, switched off alone, changes exactly what it should and nothing else."""
+
+import numpy as np
+import torch
+
+from data import IGNORE_INDEX, make_batch
+from model import GPT, GPTConfig
+
+EOT = 63
+T = 24
+STREAM = np.array([5, 6, 7, EOT, 8, 9, EOT, 10, 11, 12, 13, EOT] * 3, dtype=np.uint16)
+
+
+def batch(**flags):
+    return make_batch(STREAM, np.array([0, 5]), np.array([T + 1, T + 1]), T, EOT, **flags)
+
+
+def test_reset_position_ids_off_changes_only_the_position_ids():
+    on, off = batch(), batch(reset_position_ids=False)
+    assert torch.equal(off.position_ids, torch.arange(T).expand(2, T))
+    assert not torch.equal(on.position_ids, off.position_ids)
+    for name in ("inputs", "targets", "doc_ids", "doc_positions"):
+        assert torch.equal(getattr(on, name), getattr(off, name)), name
+
+
+def test_mask_boundary_loss_off_changes_only_the_targets_after_eot():
+    on, off = batch(), batch(mask_boundary_loss=False)
+    after_eot = on.inputs == EOT
+    assert (on.targets[after_eot] == IGNORE_INDEX).all()
+    assert (off.targets[after_eot] != IGNORE_INDEX).all()  # the next document's first token now counts
+    assert torch.equal(on.targets[~after_eot], off.targets[~after_eot])
+    assert (on.targets == EOT).sum() == (off.targets == EOT).sum() > 0  # predicting EOT counts either way
+    for name in ("inputs", "doc_ids", "position_ids", "doc_positions"):
+        assert torch.equal(getattr(on, name), getattr(off, name)), name
+
+
+def test_doc_mask_off_changes_only_what_later_documents_see():
+    b = batch()
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=64, seq_len=T, n_layer=2, n_head=2, n_embd=32)
+    model = GPT(config).eval()
+    with torch.no_grad():
+        masked = model(b.inputs, b.doc_ids, b.position_ids)
+        config.doc_mask = False
+        causal = model(b.inputs, b.doc_ids, b.position_ids)
+    first_doc = b.doc_ids == 0
+    assert torch.allclose(masked[first_doc], causal[first_doc], atol=1e-6)  # nothing earlier to see
+    assert not torch.allclose(masked[~first_doc], causal[~first_doc], atol=1e-3)

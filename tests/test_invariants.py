@@ -1,0 +1,137 @@
+"""The invariants that define a correct packed-document GPT (FIELD_NOTES section 2), each written so
+that it fails when the thing it protects is switched off."""
+
+import numpy as np
+import pytest
+import torch
+
+from data import IGNORE_INDEX, make_batch
+from model import GPT, GPTConfig
+from train import accumulate_gradients, summed_loss
+
+EOT = 63
+T = 32
+
+
+def tiny_gpt(pos_emb: str, doc_mask: bool = True, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=64, seq_len=T, n_layer=2, n_head=2, n_embd=32, pos_emb=pos_emb, doc_mask=doc_mask))
+
+
+def documents(seed: int = 0, lengths=(9, 6, 12)) -> list[np.ndarray]:
+    """Documents as token arrays, each ending with its EOT."""
+    rng = np.random.default_rng(seed)
+    return [np.append(rng.integers(0, EOT, n - 1), EOT).astype(np.uint16) for n in lengths]
+
+
+def packed(docs: list[np.ndarray], **flags):
+    """One row holding the documents back to back, padded to T."""
+    stream = np.concatenate(docs)
+    return make_batch(stream, np.array([0]), np.array([len(stream)]), T, EOT, **flags)
+
+
+def alone(doc: np.ndarray):
+    return make_batch(doc, np.array([0]), np.array([len(doc)]), T, EOT)
+
+
+def logits(model: GPT, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return model(batch.inputs, batch.doc_ids, batch.position_ids)
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_document_in_a_packed_row_matches_the_document_alone(pos_emb):
+    docs = documents()
+    start = len(docs[0])  # the second document sits at slot 9 of the row
+    n = len(docs[1])
+    model = tiny_gpt(pos_emb)
+    got = logits(model, packed(docs))[0, start : start + n]
+    expected = logits(model, alone(docs[1]))[0, :n]
+    assert torch.allclose(got, expected, atol=1e-5)
+    # with the mask off the earlier document leaks in, so the same comparison fails
+    leaky = logits(tiny_gpt(pos_emb, doc_mask=False), packed(docs))[0, start : start + n]
+    assert not torch.allclose(leaky, expected, atol=1e-3)
+
+
+def test_rope_with_doc_mask_does_not_depend_on_position_reset():
+    docs, model = documents(), tiny_gpt("rope")
+    reset, no_reset = logits(model, packed(docs)), logits(model, packed(docs, reset_position_ids=False))
+    assert torch.allclose(reset, no_reset, atol=1e-5)  # scores depend only on i - j within a document
+
+
+def test_learned_positions_depend_on_position_reset():
+    docs, model = documents(), tiny_gpt("learned")
+    reset, no_reset = logits(model, packed(docs)), logits(model, packed(docs, reset_position_ids=False))
+    first = len(docs[0])
+    assert torch.allclose(reset[0, :first], no_reset[0, :first], atol=1e-6)  # the first document starts at 0 anyway
+    assert not torch.allclose(reset[0, first:], no_reset[0, first:], atol=1e-3)
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_changing_one_document_never_changes_another(pos_emb):
+    docs, model = documents(), tiny_gpt(pos_emb)
+    changed = [docs[0].copy(), docs[1], docs[2]]
+    changed[0][:-1] = (changed[0][:-1] + 7) % EOT  # same length, different tokens
+    a, b = logits(model, packed(docs)), logits(model, packed(changed))
+    start = len(docs[0])
+    assert torch.allclose(a[0, start:], b[0, start:], atol=1e-6)
+    assert not torch.allclose(a[0, :start], b[0, :start], atol=1e-3)
+    # without the mask, documents B and C see the change
+    leaky = tiny_gpt(pos_emb, doc_mask=False)
+    assert not torch.allclose(logits(leaky, packed(docs))[0, start:], logits(leaky, packed(changed))[0, start:], atol=1e-3)
+
+
+@pytest.mark.parametrize("doc_mask", [True, False])
+def test_changing_a_future_token_never_changes_past_logits(doc_mask):
+    docs = documents()
+    model = tiny_gpt("learned", doc_mask=doc_mask)
+    later = [d.copy() for d in docs]
+    later[1][2] = (later[1][2] + 1) % EOT  # slot 11 of the row
+    a, b = logits(model, packed(docs)), logits(model, packed(later))
+    slot = len(docs[0]) + 2
+    assert torch.allclose(a[0, :slot], b[0, :slot], atol=1e-6)
+    assert not torch.allclose(a[0, slot:], b[0, slot:], atol=1e-3)
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_packed_loss_and_gradients_equal_the_sum_over_documents(pos_emb):
+    docs, model = documents(), tiny_gpt(pos_emb)
+    loss, count = summed_loss(model, packed(docs))
+    loss.backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    total, total_count = 0.0, 0
+    for doc in docs:
+        doc_loss, doc_count = summed_loss(model, alone(doc))
+        doc_loss.backward()  # gradients add up across the documents
+        total, total_count = total + doc_loss, total_count + doc_count
+    assert count == total_count == sum(len(d) - 1 for d in docs)
+    assert torch.allclose(loss, total, rtol=1e-5)
+    for g_packed, p in zip(packed_grads, model.parameters()):
+        assert torch.allclose(g_packed, p.grad, atol=1e-5)
+    # without the boundary mask, the packed loss also counts the cross-document predictions
+    unmasked, unmasked_count = summed_loss(model, packed(docs, mask_boundary_loss=False))
+    assert unmasked_count == count + len(docs) - 1 and not torch.allclose(unmasked, total, rtol=1e-3)
+
+
+def test_gradient_accumulation_normalises_by_counted_targets_of_the_whole_step():
+    # two micro-batches with very different numbers of counted targets
+    short, long = documents(1, lengths=(4,)), documents(2, lengths=(10, 11, 9))
+    micro = [packed(short), packed(long)]
+    assert (micro[0].targets != IGNORE_INDEX).sum() * 5 < (micro[1].targets != IGNORE_INDEX).sum()
+    model = tiny_gpt("learned")
+    accumulated = accumulate_gradients(model, micro, torch.autocast("cpu", enabled=False))
+    grads_accumulated = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    both = type(micro[0])(*(torch.cat([getattr(m, f) for m in micro]) for f in micro[0].__dataclass_fields__))
+    whole = accumulate_gradients(model, [both], torch.autocast("cpu", enabled=False))
+    assert torch.allclose(accumulated, whole, rtol=1e-5)
+    for g, p in zip(grads_accumulated, model.parameters()):
+        assert torch.allclose(g, p.grad, atol=1e-6)
+    # averaging per micro-batch instead weighs the short micro-batch's few targets far more
+    model.zero_grad()
+    for m in micro:
+        loss, count = summed_loss(model, m)
+        (loss / count / len(micro)).backward()
+    differs = [not torch.allclose(g, p.grad, atol=1e-4) for g, p in zip(grads_accumulated, model.parameters())]
+    assert any(differs)
