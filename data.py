@@ -463,6 +463,7 @@ class PackedBatches:
     def __init__(
         self, stream: np.ndarray, eot_id: int, seq_len: int, batch_size: int, packing: str = "concat",
         shuffle: bool = True, seed: int = 0, reset_position_ids: bool = True, mask_boundary_loss: bool = True,
+        split: str = "train",
     ) -> None:
         if packing == "concat":
             self.starts, self.n_real, self.offsets = concat_rows(len(stream), seq_len)
@@ -472,7 +473,7 @@ class PackedBatches:
             raise ValueError(f"packing must be 'concat' or 'pad', got {packing!r}")
         if len(self.starts) < batch_size:
             raise DataError(
-                f"split of {len(stream):,} tokens gives {len(self.starts)} rows of seq_len {seq_len} with "
+                f"the {split} split's {len(stream):,} tokens give {len(self.starts)} rows of seq_len {seq_len} with "
                 f"packing={packing}, fewer than batch_size {batch_size}: use more data or smaller settings"
             )
         self.stream, self.eot_id, self.seq_len, self.batch_size = stream, eot_id, seq_len, batch_size

@@ -251,8 +251,8 @@ def evaluate(model: torch.nn.Module, shards: data.Shards, cfg: Config, device: t
     max_rows = cfg.eval_rows or None
     common = dict(stream=shards.val, eot_id=shards.eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, shuffle=False)
     packed = PackedBatches(packing=cfg.packing, reset_position_ids=cfg.reset_position_ids,
-                           mask_boundary_loss=cfg.mask_boundary_loss, **common)
-    alone = PackedBatches(packing="pad", **common)
+                           mask_boundary_loss=cfg.mask_boundary_loss, split="val", **common)
+    alone = PackedBatches(packing="pad", split="val", **common)
     total, count = torch.zeros((), device=device), torch.zeros((), device=device)
     for batch in packed.all_batches(max_rows):
         with autocast:
@@ -354,7 +354,10 @@ class MetricsLog:
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if not isinstance(v, list)}, step=record["step"])
 
-    def close(self) -> None:
+    def __enter__(self) -> "MetricsLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
 
@@ -365,12 +368,19 @@ def format_duration(seconds: float) -> str:
 
 
 class StopRequest:
-    """Ctrl-C / SIGTERM: finish the step in flight, checkpoint, exit 0."""
+    """Ctrl-C / SIGTERM: finish the step in flight, checkpoint, exit 0. A context manager, so the
+    previous handlers come back when training returns."""
 
     def __init__(self) -> None:
         self.requested = False
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(signal.SIGTERM, self._handle)
+
+    def __enter__(self) -> "StopRequest":
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
 
     def _handle(self, signum, frame) -> None:
         if self.requested:  # a second Ctrl-C stops at once
@@ -411,7 +421,7 @@ def train(cfg: Config) -> dict:
         raise ConfigError(f"{ckpt_path} was trained with another tokenizer than the shards in {shard_path}")
     train_batches = PackedBatches(shards.train, shards.eot_id, cfg.seq_len, cfg.batch_size, cfg.packing, True,
                                   cfg.seed, cfg.reset_position_ids, cfg.mask_boundary_loss)
-    PackedBatches(shards.val, shards.eot_id, cfg.seq_len, 1, cfg.packing)  # fails early if val has no full row
+    PackedBatches(shards.val, shards.eot_id, cfg.seq_len, 1, cfg.packing, split="val")  # fails early if val has no row
 
     torch.manual_seed(cfg.seed)
     vocab_size = math.ceil(shards.vocab_size / 64) * 64  # a multiple of 64 is faster on GPU
@@ -433,10 +443,9 @@ def train(cfg: Config) -> dict:
 
     (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     log = MetricsLog(out_dir, cfg, start_step if checkpoint else None)
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
     print(f"model: {model.num_params() / 1e6:.2f}M parameters, pos_emb={cfg.pos_emb}, device={device}, "
           f"attention={'flex' if model_config.doc_mask and use_flex(model_config, device) else 'sdpa'}")
-    print(f"run: {cfg.max_iters} steps of {tokens_per_step:,} tokens, packing={cfg.packing}, doc_mask={cfg.doc_mask}, "
+    print(f"run: {cfg.max_iters} steps of {cfg.batch_size * cfg.grad_accum * cfg.seq_len:,} tokens, packing={cfg.packing}, doc_mask={cfg.doc_mask}, "
           f"reset_position_ids={cfg.reset_position_ids}, mask_boundary_loss={cfg.mask_boundary_loss}"
           + (f", resuming after step {start_step}" if checkpoint else ""))
 
@@ -445,57 +454,57 @@ def train(cfg: Config) -> dict:
                 "model_config": dataclasses.asdict(model_config), "step": step, "data": train_batches.state_dict(),
                 "rng": rng_states(), "tokenizer_sha256": shards.meta["tokenizer_sha256"], "shards": str(shard_path)}
 
-    stop = StopRequest()
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
     result: dict = {}
-    t_log, counted_since_log, nonfinite = time.time(), torch.zeros((), device=device), torch.zeros((), dtype=torch.bool, device=device)
-    t_start, first_step = time.time(), start_step
-    for step in range(start_step + 1, cfg.max_iters + 1):
-        lr = lr_at(step - 1, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        micro_batches = [train_batches.next().to(device, non_blocking=True) for _ in range(cfg.grad_accum)]
-        loss = accumulate_gradients(step_model, micro_batches, autocast)
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        nonfinite |= ~torch.isfinite(loss)
-        counted_since_log += sum((b.targets != IGNORE_INDEX).sum() for b in micro_batches)
+    t_log, counted_since_log = time.time(), torch.zeros((), device=device)
+    nonfinite = torch.zeros((), dtype=torch.bool, device=device)  # checked at log steps: no per-step sync
+    t_start, step_at_log = time.time(), start_step
+    with StopRequest() as stop, log:
+        for step in range(start_step + 1, cfg.max_iters + 1):
+            lr = lr_at(step - 1, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            micro_batches = [train_batches.next().to(device, non_blocking=True) for _ in range(cfg.grad_accum)]
+            loss = accumulate_gradients(step_model, micro_batches, autocast)
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            nonfinite |= ~torch.isfinite(loss)
+            counted_since_log += sum((b.targets != IGNORE_INDEX).sum() for b in micro_batches)
 
-        last = step == cfg.max_iters
-        if step % cfg.log_interval == 0 or last or stop.requested:
-            if nonfinite.item():
-                log.close()
-                raise TrainingDiverged(f"loss became non-finite by step {step} (last value {loss.item()}); "
+            last = step == cfg.max_iters
+            should_log = step % cfg.log_interval == 0 or last or stop.requested
+            should_eval = step % cfg.eval_interval == 0 or last
+            if (should_log or should_eval) and nonfinite.item():  # before anything is logged or saved
+                raise TrainingDiverged(f"training loss became non-finite by step {step} (last value {loss.item()}); "
                                        f"the last good checkpoint is kept in {ckpt_path}")
-            now = time.time()
-            elapsed_steps = (step - 1) % cfg.log_interval + 1
-            tok_s = elapsed_steps * tokens_per_step / (now - t_log)
-            eta = (now - t_start) / (step - first_step) * (cfg.max_iters - step)
-            record = {"step": step, "train_loss": round(loss.item(), 4), "lr": lr, "tokens_per_sec": round(tok_s),
-                      "counted_tokens_per_sec": round(counted_since_log.item() / (now - t_log))}
-            log.write(record)
-            print(f"step {step:>5}/{cfg.max_iters} | loss {record['train_loss']:.4f} | lr {lr:.2e} | "
-                  f"{tok_s:,.0f} tok/s | ETA {format_duration(eta)}", flush=True)
-            t_log, counted_since_log = time.time(), torch.zeros((), device=device)
-        if step % cfg.eval_interval == 0 or last:
-            t_eval = time.time()
-            result = {"step": step, **evaluate(step_model, shards, cfg, device, autocast)}
-            if not (math.isfinite(result["val_loss"]) and math.isfinite(result["val_doc_loss"])):
-                log.close()
-                raise TrainingDiverged(f"validation loss is non-finite at step {step}; "
-                                       f"the last good checkpoint is kept in {ckpt_path}")
-            log.write(result)
-            save_checkpoint(ckpt_path, checkpoint_state(step))
-            print(f"eval {step:>5} | val_loss {result['val_loss']:.4f} | val_doc_loss {result['val_doc_loss']:.4f} "
-                  f"| {time.time() - t_eval:.1f}s, checkpoint saved", flush=True)
-            t_log += time.time() - t_eval  # evaluation time does not count against training throughput
-        if stop.requested and not last:
-            save_checkpoint(ckpt_path, checkpoint_state(step))
-            log.close()
-            print(f"stopped after step {step}; resume with: python train.py {' '.join(sys.argv[1:])} --resume=true")
-            return result
-    log.close()
+            if should_log:
+                now = time.time()
+                tok_s = (step - step_at_log) * tokens_per_step / (now - t_log)
+                eta = (now - t_start) / (step - start_step) * (cfg.max_iters - step)
+                record = {"step": step, "train_loss": round(loss.item(), 4), "lr": lr, "tokens_per_sec": round(tok_s),
+                          "counted_tokens_per_sec": round(counted_since_log.item() / (now - t_log))}
+                log.write(record)
+                print(f"step {step:>5}/{cfg.max_iters} | loss {record['train_loss']:.4f} | lr {lr:.2e} | "
+                      f"{tok_s:,.0f} tok/s | ETA {format_duration(eta)}", flush=True)
+                t_log, step_at_log, counted_since_log = time.time(), step, torch.zeros((), device=device)
+            if should_eval:
+                t_eval = time.time()
+                result = {"step": step, **evaluate(step_model, shards, cfg, device, autocast)}
+                if not (math.isfinite(result["val_loss"]) and math.isfinite(result["val_doc_loss"])):
+                    raise TrainingDiverged(f"validation loss is non-finite at step {step}; "
+                                           f"the last good checkpoint is kept in {ckpt_path}")
+                log.write(result)
+                save_checkpoint(ckpt_path, checkpoint_state(step))
+                print(f"eval {step:>5} | val_loss {result['val_loss']:.4f} | val_doc_loss {result['val_doc_loss']:.4f} "
+                      f"| {time.time() - t_eval:.1f}s, checkpoint saved", flush=True)
+                t_log += time.time() - t_eval  # evaluation time does not count against training throughput
+            if stop.requested and not last:
+                save_checkpoint(ckpt_path, checkpoint_state(step))
+                print(f"stopped after step {step}; resume with: python train.py {' '.join(sys.argv[1:])} --resume=true")
+                return result
+
     if cfg.sample_prompt and cfg.sample_tokens and result:
         enc = data.load_tokenizer(shard_path)
         prompt = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
