@@ -154,9 +154,7 @@ def load_documents(dataset: str) -> tuple[list[str], dict[str, int]]:
     return non_empty, skipped
 
 
-def deduplicate_and_split(
-    docs: list[str], val_fraction: float, seed: int
-) -> tuple[list[str], list[str], int]:
+def deduplicate_and_split(docs: list[str], val_fraction: float, seed: int) -> tuple[list[str], list[str], int]:
     """Drop exact duplicates, shuffle with a fixed seed, split by document. Returns (train, val, n_dups)."""
     unique = list(dict.fromkeys(docs))
     random.Random(seed).shuffle(unique)
@@ -264,8 +262,13 @@ def shard_dir_for(data_dir: str, dataset: str, tokenizer: str, vocab_size: int, 
 
 
 def prepare(
-    dataset: str, data_dir: str, tokenizer: str = "bpe", vocab_size: int = 8192,
-    val_fraction: float = 0.05, seed: int = 1337, log=print,
+    dataset: str,
+    data_dir: str,
+    tokenizer: str = "bpe",
+    vocab_size: int = 8192,
+    val_fraction: float = 0.05,
+    seed: int = 1337,
+    log=print,
 ) -> Path:
     """Prepare shards unless already there. Writes to a temporary folder and renames it when complete,
     so an interrupted preparation never leaves shards that look valid."""
@@ -291,10 +294,17 @@ def prepare(
         write_tiktoken_file(enc, tmp / "tokenizer.tiktoken")
         meta = {
             "format_version": SHARD_FORMAT_VERSION,
-            "dataset": dataset, "tokenizer": tokenizer, "tokenizer_name": enc.name, "pattern": enc._pat_str,
+            "dataset": dataset,
+            "tokenizer": tokenizer,
+            "tokenizer_name": enc.name,
+            "pattern": enc._pat_str,
             "tokenizer_sha256": hashlib.sha256((tmp / "tokenizer.tiktoken").read_bytes()).hexdigest(),
-            "vocab_size": enc.n_vocab, "eot_id": enc.eot_token, "val_fraction": val_fraction, "seed": seed,
-            "skipped": skipped, "splits": {},
+            "vocab_size": enc.n_vocab,
+            "eot_id": enc.eot_token,
+            "val_fraction": val_fraction,
+            "seed": seed,
+            "skipped": skipped,
+            "splits": {},
         }
         for split, split_docs in (("train", train_docs), ("val", val_docs)):
             stream = encode_documents(enc, split_docs)
@@ -407,8 +417,14 @@ class Batch:
 
 
 def make_batch(
-    stream: np.ndarray, starts: np.ndarray, n_real: np.ndarray, seq_len: int, eot_id: int,
-    reset_position_ids: bool = True, mask_boundary_loss: bool = True, doc_offsets: np.ndarray | None = None,
+    stream: np.ndarray,
+    starts: np.ndarray,
+    n_real: np.ndarray,
+    seq_len: int,
+    eot_id: int,
+    reset_position_ids: bool = True,
+    mask_boundary_loss: bool = True,
+    doc_offsets: np.ndarray | None = None,
 ) -> Batch:
     """Gather rows [start, start + n_real) of the stream into a batch (vectorised, no per-token loop).
 
@@ -424,7 +440,9 @@ def make_batch(
     targets[~torch.from_numpy(real[:, 1:])] = IGNORE_INDEX
     positions = reset_positions(inputs, eot_id)
     doc_ids = document_ids(inputs, eot_id)
-    doc_positions = positions if doc_offsets is None else positions + torch.from_numpy(doc_offsets)[:, None] * (doc_ids == 0)
+    doc_positions = (
+        positions if doc_offsets is None else positions + torch.from_numpy(doc_offsets)[:, None] * (doc_ids == 0)
+    )
     # The reset_position_ids flag: its whole effect is this line.
     position_ids = positions if reset_position_ids else torch.arange(seq_len).expand_as(inputs).clone()
     # The mask_boundary_loss flag: its whole effect is this line.
@@ -461,8 +479,16 @@ class PackedBatches:
     """
 
     def __init__(
-        self, stream: np.ndarray, eot_id: int, seq_len: int, batch_size: int, packing: str = "concat",
-        shuffle: bool = True, seed: int = 0, reset_position_ids: bool = True, mask_boundary_loss: bool = True,
+        self,
+        stream: np.ndarray,
+        eot_id: int,
+        seq_len: int,
+        batch_size: int,
+        packing: str = "concat",
+        shuffle: bool = True,
+        seed: int = 0,
+        reset_position_ids: bool = True,
+        mask_boundary_loss: bool = True,
         split: str = "train",
     ) -> None:
         if packing == "concat":
@@ -493,8 +519,14 @@ class PackedBatches:
 
     def batch(self, rows: np.ndarray) -> Batch:
         return make_batch(
-            self.stream, self.starts[rows], self.n_real[rows], self.seq_len, self.eot_id,
-            self.reset_position_ids, self.mask_boundary_loss, self.offsets[rows],
+            self.stream,
+            self.starts[rows],
+            self.n_real[rows],
+            self.seq_len,
+            self.eot_id,
+            self.reset_position_ids,
+            self.mask_boundary_loss,
+            self.offsets[rows],
         )
 
     def next(self) -> Batch:

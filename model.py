@@ -17,7 +17,11 @@ from functools import lru_cache
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import (
+    BlockMask,
+    create_block_mask,
+    flex_attention,
+)
 
 
 @dataclass
@@ -202,8 +206,14 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, stop_token: int | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        stop_token: int | None = None,
+    ) -> torch.Tensor:
         """Sample one document continuation from (1, T0) ids; the context is the last seq_len tokens,
         at positions 0.. as at training time for a row that starts mid-document."""
         for _ in range(max_new_tokens):

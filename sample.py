@@ -1,7 +1,7 @@
 """Generate text from a checkpoint written by train.py.
 
-    python sample.py                                  # out/ckpt.pt, prompt "def "
-    python sample.py --out_dir=out --prompt="class " --num_samples=3 --max_new_tokens=200
+python sample.py                                  # out/ckpt.pt, prompt "def "
+python sample.py --out_dir=out --prompt="class " --num_samples=3 --max_new_tokens=200
 """
 
 from __future__ import annotations
@@ -30,12 +30,17 @@ def main(argv: list[str]) -> int:
 
     ckpt_path = Path(args.out_dir) / "ckpt.pt"
     if not ckpt_path.is_file():
-        print(f"error: {ckpt_path} not found; train first with: python train.py --out_dir={args.out_dir}", file=sys.stderr)
+        print(
+            f"error: {ckpt_path} not found; train first with: python train.py --out_dir={args.out_dir}", file=sys.stderr
+        )
         return 1
     state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
     shard_path = Path(state["shards"])
     if not (shard_path / "tokenizer.tiktoken").is_file():
-        print(f"error: the run's tokenizer {shard_path}/tokenizer.tiktoken is missing; prepare its data again", file=sys.stderr)
+        print(
+            f"error: the run's tokenizer {shard_path}/tokenizer.tiktoken is missing; prepare its data again",
+            file=sys.stderr,
+        )
         return 1
     enc = data.load_tokenizer(shard_path)
     model = GPT(GPTConfig(**{**state["model_config"], "attn_impl": "sdpa"}))
@@ -48,7 +53,9 @@ def main(argv: list[str]) -> int:
         print("error: the prompt is empty", file=sys.stderr)
         return 1
     for i in range(args.num_samples):
-        out = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k or None, stop_token=enc.eot_token)
+        out = model.generate(
+            prompt, args.max_new_tokens, args.temperature, args.top_k or None, stop_token=enc.eot_token
+        )
         text = enc.decode([t for t in out[0].tolist() if t < enc.eot_token])
         print(f"--- sample {i + 1} (step {state['step']})\n{text}")
     return 0

@@ -40,16 +40,25 @@ def _f(default, help: str, choices: tuple | None = None, minimum: float | None =
 @dataclass
 class Config:
     # data
-    dataset: str = _f("stdlib", "'stdlib' (top-level functions and classes of the Python standard library), "
-                      "'stdlib-files' (whole modules), a directory of text files, a .jsonl file with a 'text' "
-                      "field, or a text file of documents separated by <|endoftext|>")
+    dataset: str = _f(
+        "stdlib",
+        "'stdlib' (top-level functions and classes of the Python standard library), "
+        "'stdlib-files' (whole modules), a directory of text files, a .jsonl file with a 'text' "
+        "field, or a text file of documents separated by <|endoftext|>",
+    )
     data_dir: str = _f("data", "where prepared shards are kept (one folder per dataset and tokenizer)")
-    tokenizer: str = _f("bpe", "'bpe' (train one on the corpus with rustbpe), a tiktoken name such as 'gpt2' "
-                        "(downloads on first use), or a path to a .tiktoken file")
+    tokenizer: str = _f(
+        "bpe",
+        "'bpe' (train one on the corpus with rustbpe), a tiktoken name such as 'gpt2' "
+        "(downloads on first use), or a path to a .tiktoken file",
+    )
     tokenizer_vocab_size: int = _f(8192, "vocabulary size of a trained 'bpe' tokenizer, EOT included", minimum=257)
     val_fraction: float = _f(0.05, "fraction of documents held out for validation", minimum=0.0)
-    packing: str = _f("concat", "'concat': contiguous rows of the document stream; 'pad': one document "
-                      "(or chunk) per row, padded", choices=("concat", "pad"))
+    packing: str = _f(
+        "concat",
+        "'concat': contiguous rows of the document stream; 'pad': one document (or chunk) per row, padded",
+        choices=("concat", "pad"),
+    )
     # the three fixes (README: "The three flags")
     doc_mask: bool = _f(True, "attend only within the document (block-diagonal causal); false: causal across documents")
     reset_position_ids: bool = _f(True, "restart position ids at 0 after each EOT; false: 0..seq_len-1 across the row")
@@ -84,7 +93,9 @@ class Config:
     seed: int = _f(0, "seed of the model init and the data order")
     data_seed: int = _f(1337, "seed of the train/val split and tokenizer data (kept fixed across runs)")
     device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'")
-    dtype: str = _f("auto", "'auto' (bfloat16 autocast on CUDA, float32 elsewhere)", choices=("auto", "float32", "bfloat16"))
+    dtype: str = _f(
+        "auto", "'auto' (bfloat16 autocast on CUDA, float32 elsewhere)", choices=("auto", "float32", "bfloat16")
+    )
     compile: bool = _f(False, "torch.compile the model (CUDA)")
     wandb: bool = _f(False, "log to Weights & Biases (mode from WANDB_MODE, e.g. offline)")
     wandb_project: str = _f("packed-gpt", "wandb project")
@@ -93,8 +104,20 @@ class Config:
 
 # Keys that may change when resuming: they alter neither the model nor the data it sees.
 RESUMABLE_CHANGES = {
-    "max_iters", "eval_interval", "eval_rows", "log_interval", "sample_prompt", "sample_tokens", "resume",
-    "device", "compile", "wandb", "wandb_project", "wandb_run_name", "data_dir", "out_dir",
+    "max_iters",
+    "eval_interval",
+    "eval_rows",
+    "log_interval",
+    "sample_prompt",
+    "sample_tokens",
+    "resume",
+    "device",
+    "compile",
+    "wandb",
+    "wandb_project",
+    "wandb_run_name",
+    "data_dir",
+    "out_dir",
 }
 
 
@@ -224,7 +247,9 @@ def make_optimizer(model: GPT, cfg: Config, device: torch.device) -> torch.optim
 def summed_loss(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of per-token cross-entropy over counted targets, number of counted targets)."""
     logits = model(batch.inputs, batch.doc_ids, batch.position_ids)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    loss = F.cross_entropy(
+        logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     return loss, (batch.targets != IGNORE_INDEX).sum()
 
 
@@ -249,9 +274,16 @@ def evaluate(model: torch.nn.Module, shards: data.Shards, cfg: Config, device: t
     computation for every run), with its loss by position within the document."""
     model.eval()
     max_rows = cfg.eval_rows or None
-    common = dict(stream=shards.val, eot_id=shards.eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, shuffle=False)
-    packed = PackedBatches(packing=cfg.packing, reset_position_ids=cfg.reset_position_ids,
-                           mask_boundary_loss=cfg.mask_boundary_loss, split="val", **common)
+    common = dict(
+        stream=shards.val, eot_id=shards.eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, shuffle=False
+    )
+    packed = PackedBatches(
+        packing=cfg.packing,
+        reset_position_ids=cfg.reset_position_ids,
+        mask_boundary_loss=cfg.mask_boundary_loss,
+        split="val",
+        **common,
+    )
     alone = PackedBatches(packing="pad", split="val", **common)
     total, count = torch.zeros((), device=device), torch.zeros((), device=device)
     for batch in packed.all_batches(max_rows):
@@ -265,8 +297,9 @@ def evaluate(model: torch.nn.Module, shards: data.Shards, cfg: Config, device: t
         batch = batch.to(device)
         with autocast:
             logits = model(batch.inputs, batch.doc_ids, batch.position_ids)
-        losses = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(),
-                                 ignore_index=IGNORE_INDEX, reduction="none")
+        losses = F.cross_entropy(
+            logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+        )
         counted = batch.targets.flatten() != IGNORE_INDEX
         doc_total, doc_count = doc_total + losses.sum(), doc_count + counted.sum()
         early = counted & (batch.doc_positions.flatten() < cfg.seq_len)  # later chunks of long documents
@@ -312,7 +345,9 @@ def load_checkpoint(path: Path, cfg: Config) -> dict:
 
 def rng_states() -> dict:
     return {
-        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
 
@@ -333,20 +368,26 @@ class MetricsLog:
         if resume_step is None:
             self.path.write_text("")
         else:  # drop what was logged after the checkpoint, so the log reads as one run
-            kept = [l for l in self.path.read_text().splitlines() if json.loads(l)["step"] <= resume_step] \
-                if self.path.exists() else []
-            self.path.write_text("".join(l + "\n" for l in kept))
+            lines = self.path.read_text().splitlines() if self.path.exists() else []
+            self.path.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= resume_step))
         self.wandb_run = None
         if cfg.wandb:
             try:
                 import wandb
 
-                self.wandb_run = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or out_dir.name,
-                                            config=dataclasses.asdict(cfg), resume="allow",
-                                            dir=os.environ.get("WANDB_DIR", str(out_dir)))
+                self.wandb_run = wandb.init(
+                    project=cfg.wandb_project,
+                    name=cfg.wandb_run_name or out_dir.name,
+                    config=dataclasses.asdict(cfg),
+                    resume="allow",
+                    dir=os.environ.get("WANDB_DIR", str(out_dir)),
+                )
             except Exception as e:
-                print(f"warning: wandb logging is off ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                      "set WANDB_MODE=offline to log without an account", file=sys.stderr)
+                print(
+                    f"warning: wandb logging is off ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                    "set WANDB_MODE=offline to log without an account",
+                    file=sys.stderr,
+                )
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
@@ -364,7 +405,9 @@ class MetricsLog:
 
 def format_duration(seconds: float) -> str:
     seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 class StopRequest:
@@ -413,21 +456,42 @@ def train(cfg: Config) -> dict:
     ckpt_path = out_dir / "ckpt.pt"
     checkpoint = load_checkpoint(ckpt_path, cfg) if cfg.resume else None
     if cfg.packing == "pad" and not (cfg.doc_mask and cfg.reset_position_ids and cfg.mask_boundary_loss):
-        print("warning: with packing=pad each row holds one document, so the three flags change nothing", file=sys.stderr)
+        print(
+            "warning: with packing=pad each row holds one document, so the three flags change nothing", file=sys.stderr
+        )
 
-    shard_path = data.prepare(cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.tokenizer_vocab_size, cfg.val_fraction, cfg.data_seed)
+    shard_path = data.prepare(
+        cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.tokenizer_vocab_size, cfg.val_fraction, cfg.data_seed
+    )
     shards = data.load_shards(shard_path)
     if checkpoint is not None and checkpoint["tokenizer_sha256"] != shards.meta["tokenizer_sha256"]:
         raise ConfigError(f"{ckpt_path} was trained with another tokenizer than the shards in {shard_path}")
-    train_batches = PackedBatches(shards.train, shards.eot_id, cfg.seq_len, cfg.batch_size, cfg.packing, True,
-                                  cfg.seed, cfg.reset_position_ids, cfg.mask_boundary_loss)
+    train_batches = PackedBatches(
+        shards.train,
+        shards.eot_id,
+        cfg.seq_len,
+        cfg.batch_size,
+        cfg.packing,
+        True,
+        cfg.seed,
+        cfg.reset_position_ids,
+        cfg.mask_boundary_loss,
+    )
     PackedBatches(shards.val, shards.eot_id, cfg.seq_len, 1, cfg.packing, split="val")  # fails early if val has no row
 
     torch.manual_seed(cfg.seed)
     vocab_size = math.ceil(shards.vocab_size / 64) * 64  # a multiple of 64 is faster on GPU
-    model_config = GPTConfig(vocab_size=vocab_size, seq_len=cfg.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                             n_embd=cfg.n_embd, dropout=cfg.dropout, pos_emb=cfg.pos_emb, doc_mask=cfg.doc_mask,
-                             attn_impl=cfg.attn_impl)
+    model_config = GPTConfig(
+        vocab_size=vocab_size,
+        seq_len=cfg.seq_len,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_embd=cfg.n_embd,
+        dropout=cfg.dropout,
+        pos_emb=cfg.pos_emb,
+        doc_mask=cfg.doc_mask,
+        attn_impl=cfg.attn_impl,
+    )
     model = GPT(model_config).to(device)
     optimizer = make_optimizer(model, cfg, device)
     start_step = 0
@@ -443,16 +507,29 @@ def train(cfg: Config) -> dict:
 
     (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     log = MetricsLog(out_dir, cfg, start_step if checkpoint else None)
-    print(f"model: {model.num_params() / 1e6:.2f}M parameters, pos_emb={cfg.pos_emb}, device={device}, "
-          f"attention={'flex' if model_config.doc_mask and use_flex(model_config, device) else 'sdpa'}")
-    print(f"run: {cfg.max_iters} steps of {cfg.batch_size * cfg.grad_accum * cfg.seq_len:,} tokens, packing={cfg.packing}, doc_mask={cfg.doc_mask}, "
-          f"reset_position_ids={cfg.reset_position_ids}, mask_boundary_loss={cfg.mask_boundary_loss}"
-          + (f", resuming after step {start_step}" if checkpoint else ""))
+    print(
+        f"model: {model.num_params() / 1e6:.2f}M parameters, pos_emb={cfg.pos_emb}, device={device}, "
+        f"attention={'flex' if model_config.doc_mask and use_flex(model_config, device) else 'sdpa'}"
+    )
+    print(
+        f"run: {cfg.max_iters} steps of {cfg.batch_size * cfg.grad_accum * cfg.seq_len:,} tokens, "
+        f"packing={cfg.packing}, doc_mask={cfg.doc_mask}, "
+        f"reset_position_ids={cfg.reset_position_ids}, mask_boundary_loss={cfg.mask_boundary_loss}"
+        + (f", resuming after step {start_step}" if checkpoint else "")
+    )
 
     def checkpoint_state(step: int) -> dict:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": dataclasses.asdict(cfg),
-                "model_config": dataclasses.asdict(model_config), "step": step, "data": train_batches.state_dict(),
-                "rng": rng_states(), "tokenizer_sha256": shards.meta["tokenizer_sha256"], "shards": str(shard_path)}
+        return {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "config": dataclasses.asdict(cfg),
+            "model_config": dataclasses.asdict(model_config),
+            "step": step,
+            "data": train_batches.state_dict(),
+            "rng": rng_states(),
+            "tokenizer_sha256": shards.meta["tokenizer_sha256"],
+            "shards": str(shard_path),
+        }
 
     tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
     result: dict = {}
@@ -477,28 +554,42 @@ def train(cfg: Config) -> dict:
             should_log = step % cfg.log_interval == 0 or last or stop.requested
             should_eval = step % cfg.eval_interval == 0 or last
             if (should_log or should_eval) and nonfinite.item():  # before anything is logged or saved
-                raise TrainingDiverged(f"training loss became non-finite by step {step} (last value {loss.item()}); "
-                                       f"the last good checkpoint is kept in {ckpt_path}")
+                raise TrainingDiverged(
+                    f"training loss became non-finite by step {step} (last value {loss.item()}); "
+                    f"the last good checkpoint is kept in {ckpt_path}"
+                )
             if should_log:
                 now = time.time()
                 tok_s = (step - step_at_log) * tokens_per_step / (now - t_log)
                 eta = (now - t_start) / (step - start_step) * (cfg.max_iters - step)
-                record = {"step": step, "train_loss": round(loss.item(), 4), "lr": lr, "tokens_per_sec": round(tok_s),
-                          "counted_tokens_per_sec": round(counted_since_log.item() / (now - t_log))}
+                record = {
+                    "step": step,
+                    "train_loss": round(loss.item(), 4),
+                    "lr": lr,
+                    "tokens_per_sec": round(tok_s),
+                    "counted_tokens_per_sec": round(counted_since_log.item() / (now - t_log)),
+                }
                 log.write(record)
-                print(f"step {step:>5}/{cfg.max_iters} | loss {record['train_loss']:.4f} | lr {lr:.2e} | "
-                      f"{tok_s:,.0f} tok/s | ETA {format_duration(eta)}", flush=True)
+                print(
+                    f"step {step:>5}/{cfg.max_iters} | loss {record['train_loss']:.4f} | lr {lr:.2e} | "
+                    f"{tok_s:,.0f} tok/s | ETA {format_duration(eta)}",
+                    flush=True,
+                )
                 t_log, step_at_log, counted_since_log = time.time(), step, torch.zeros((), device=device)
             if should_eval:
                 t_eval = time.time()
                 result = {"step": step, **evaluate(step_model, shards, cfg, device, autocast)}
                 if not (math.isfinite(result["val_loss"]) and math.isfinite(result["val_doc_loss"])):
-                    raise TrainingDiverged(f"validation loss is non-finite at step {step}; "
-                                           f"the last good checkpoint is kept in {ckpt_path}")
+                    raise TrainingDiverged(
+                        f"validation loss is non-finite at step {step}; the last good checkpoint is kept in {ckpt_path}"
+                    )
                 log.write(result)
                 save_checkpoint(ckpt_path, checkpoint_state(step))
-                print(f"eval {step:>5} | val_loss {result['val_loss']:.4f} | val_doc_loss {result['val_doc_loss']:.4f} "
-                      f"| {time.time() - t_eval:.1f}s, checkpoint saved", flush=True)
+                print(
+                    f"eval {step:>5} | val_loss {result['val_loss']:.4f} | val_doc_loss {result['val_doc_loss']:.4f} "
+                    f"| {time.time() - t_eval:.1f}s, checkpoint saved",
+                    flush=True,
+                )
                 t_log += time.time() - t_eval  # evaluation time does not count against training throughput
             if stop.requested and not last:
                 save_checkpoint(ckpt_path, checkpoint_state(step))

@@ -8,8 +8,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-WORDS = ("def class return self value items for in if else while import from yield lambda None True False "
-         "data list dict key append result print range len open read write").split()
+WORDS = (
+    "def class return self value items for in if else while import from yield lambda None True False "
+    "data list dict key append result print range len open read write"
+).split()
 
 
 def make_documents(n: int, seed: int = 0) -> list[str]:
@@ -34,8 +36,22 @@ def tiny_corpus(tmp_path_factory) -> Path:
 
 def tiny_args(corpus: Path, data_dir: Path, out_dir: Path, **overrides) -> list[str]:
     """train.py arguments for a run that takes a few seconds on a CPU."""
-    settings = dict(dataset=corpus, data_dir=data_dir, out_dir=out_dir, tokenizer_vocab_size=320, seq_len=64,
-                    n_layer=2, n_head=2, n_embd=32, batch_size=4, max_iters=6, eval_interval=3, log_interval=1,
-                    warmup_iters=2, eval_rows=16, sample_tokens=0)
+    settings = dict(
+        dataset=corpus,
+        data_dir=data_dir,
+        out_dir=out_dir,
+        tokenizer_vocab_size=320,
+        seq_len=64,
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        batch_size=4,
+        max_iters=6,
+        eval_interval=3,
+        log_interval=1,
+        warmup_iters=2,
+        eval_rows=16,
+        sample_tokens=0,
+    )
     settings.update(overrides)
     return [f"--{k}={v}" for k, v in settings.items()]

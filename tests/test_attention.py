@@ -9,7 +9,14 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from data import document_ids
-from model import GPTConfig, attend, attention_mask, compiled_flex_attention, document_causal_block_mask, document_causal_dense
+from model import (
+    GPTConfig,
+    attend,
+    attention_mask,
+    compiled_flex_attention,
+    document_causal_block_mask,
+    document_causal_dense,
+)
 
 EOT = 99
 
@@ -52,8 +59,14 @@ def test_block_mask_matches_dense_mask():
     doc = layouts_batch()
     block_mask = document_causal_block_mask(doc)
     assert block_mask.shape[0] == doc.shape[0]  # one mask per sample (B = batch size, never None)
-    dense = torch.stack([block_mask.mask_mod(torch.tensor(b), torch.tensor(0), torch.arange(256)[:, None],
-                                             torch.arange(256)[None, :]) for b in range(doc.shape[0])])
+    dense = torch.stack(
+        [
+            block_mask.mask_mod(
+                torch.tensor(b), torch.tensor(0), torch.arange(256)[:, None], torch.arange(256)[None, :]
+            )
+            for b in range(doc.shape[0])
+        ]
+    )
     assert torch.equal(dense, document_causal_dense(doc)[:, 0])
 
 

@@ -7,13 +7,15 @@ import numpy as np
 import pytest
 
 import data
-from data import DataError, EOT_TEXT
+from data import EOT_TEXT, DataError
 
 
 def prepare_docs(tmp_path, docs: list[str], name: str = "c.jsonl", **kw):
     corpus = tmp_path / name
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return data.prepare(str(corpus), str(tmp_path / "data"), vocab_size=300, val_fraction=0.25, log=lambda *_: None, **kw)
+    return data.prepare(
+        str(corpus), str(tmp_path / "data"), vocab_size=300, val_fraction=0.25, log=lambda *_: None, **kw
+    )
 
 
 def decoded_documents(path, split: str) -> list[str]:

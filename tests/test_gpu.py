@@ -29,8 +29,9 @@ def test_flex_and_dense_agree_forward_and_backward(dtype, atol, pos_emb):
     outputs, grads = [], []
     for impl in ("flex", "sdpa"):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=512, seq_len=T, n_layer=2, n_head=4, n_embd=128, pos_emb=pos_emb,
-                              attn_impl=impl)).cuda()
+        model = GPT(
+            GPTConfig(vocab_size=512, seq_len=T, n_layer=2, n_head=4, n_embd=128, pos_emb=pos_emb, attn_impl=impl)
+        ).cuda()
         with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
             logits = model(batch.inputs, batch.doc_ids, batch.position_ids)
         logits.float().square().mean().backward()

@@ -78,7 +78,9 @@ def test_changing_one_document_never_changes_another(pos_emb):
     assert not torch.allclose(a[0, :start], b[0, :start], atol=1e-3)
     # without the mask, documents B and C see the change
     leaky = tiny_gpt(pos_emb, doc_mask=False)
-    assert not torch.allclose(logits(leaky, packed(docs))[0, start:], logits(leaky, packed(changed))[0, start:], atol=1e-3)
+    assert not torch.allclose(
+        logits(leaky, packed(docs))[0, start:], logits(leaky, packed(changed))[0, start:], atol=1e-3
+    )
 
 
 @pytest.mark.parametrize("doc_mask", [True, False])

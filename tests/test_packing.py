@@ -4,8 +4,16 @@ import numpy as np
 import pytest
 import torch
 
-from data import (IGNORE_INDEX, PackedBatches, boundary_loss_masked, concat_rows, document_ids, make_batch,
-                  pad_rows, reset_positions)
+from data import (
+    IGNORE_INDEX,
+    PackedBatches,
+    boundary_loss_masked,
+    concat_rows,
+    document_ids,
+    make_batch,
+    pad_rows,
+    reset_positions,
+)
 
 EOT = 99
 
@@ -18,15 +26,15 @@ def row_from_lengths(lengths: list[int], start_offset: int = 0) -> torch.Tensor:
     return torch.tensor(tokens[start_offset:])
 
 
-def reference_semantics(x: list[int], y: list[int]) -> tuple[list[int], list[int], list[int]]:
+def reference_semantics(x: list[int], y: list[int], eot: int = EOT) -> tuple[list[int], list[int], list[int]]:
     """The spec, one token at a time: doc ids, reset positions, loss-masked targets."""
     doc, pos, masked = [], [], []
     current_doc, current_pos = 0, 0
     for t, token in enumerate(x):
         doc.append(current_doc)
         pos.append(current_pos)
-        masked.append(IGNORE_INDEX if token == EOT else y[t])
-        if token == EOT:
+        masked.append(IGNORE_INDEX if token == eot else y[t])
+        if token == eot:
             current_doc, current_pos = current_doc + 1, 0
         else:
             current_pos += 1
@@ -39,13 +47,16 @@ def test_worked_example_lengths_3_2_3():
     assert reset_positions(x, EOT).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
 
 
-@pytest.mark.parametrize("x, docs, positions", [
-    ([EOT, 1, 2, 3], [0, 1, 1, 1], [0, 0, 1, 2]),            # boundary at slot 0
-    ([1, 2, 3, EOT], [0, 0, 0, 0], [0, 1, 2, 3]),            # boundary at T-1: the EOT keeps its document
-    ([EOT, EOT, EOT, 1], [0, 1, 2, 3], [0, 0, 0, 0]),        # single-token documents
-    ([1, 2, 3, 4], [0, 0, 0, 0], [0, 1, 2, 3]),              # no boundary
-    ([7, EOT, 1, 2], [0, 0, 1, 1], [0, 1, 0, 1]),            # row starts mid-document: position 0 mid-document
-])
+@pytest.mark.parametrize(
+    "x, docs, positions",
+    [
+        ([EOT, 1, 2, 3], [0, 1, 1, 1], [0, 0, 1, 2]),  # boundary at slot 0
+        ([1, 2, 3, EOT], [0, 0, 0, 0], [0, 1, 2, 3]),  # boundary at T-1: the EOT keeps its document
+        ([EOT, EOT, EOT, 1], [0, 1, 2, 3], [0, 0, 0, 0]),  # single-token documents
+        ([1, 2, 3, 4], [0, 0, 0, 0], [0, 1, 2, 3]),  # no boundary
+        ([7, EOT, 1, 2], [0, 0, 1, 1], [0, 1, 0, 1]),  # row starts mid-document: position 0 mid-document
+    ],
+)
 def test_edge_cases(x, docs, positions):
     x = torch.tensor([x])
     assert document_ids(x, EOT).tolist() == [docs]

@@ -10,19 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, tiny_args
 
 import train
-from conftest import ROOT, tiny_args
 from train import Config, ConfigError, parse_config
 
 
 def run_cli(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})}
+    )
 
 
 def metrics(out_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 # ---- configuration
@@ -44,17 +45,20 @@ def test_cli_overrides_file_and_types_are_parsed(tmp_path):
     assert (cfg.pos_emb, cfg.max_iters, cfg.doc_mask, cfg.lr) == ("rope", 7, False, 1e-3)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--doc_mask_off=true"], "unknown config key 'doc_mask_off' (did you mean doc_mask?)"),
-    (["--max_iters=ten"], "max_iters='ten': expected int"),
-    (["--doc_mask=maybe"], "doc_mask='maybe': expected bool"),
-    (["--pos_emb=alibi"], "pos_emb='alibi': choose one of learned, rope"),
-    (["--packing=best"], "packing='best': choose one of concat, pad"),
-    (["--batch_size=0"], "batch_size=0: must be at least 1"),
-    (["--n_embd=100", "--n_head=3"], "must split into n_head=3 heads"),
-    (["no_such_config.toml"], "config file no_such_config.toml not found"),
-    (["max_iters=3"], "config file max_iters=3 not found"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--doc_mask_off=true"], "unknown config key 'doc_mask_off' (did you mean doc_mask?)"),
+        (["--max_iters=ten"], "max_iters='ten': expected int"),
+        (["--doc_mask=maybe"], "doc_mask='maybe': expected bool"),
+        (["--pos_emb=alibi"], "pos_emb='alibi': choose one of learned, rope"),
+        (["--packing=best"], "packing='best': choose one of concat, pad"),
+        (["--batch_size=0"], "batch_size=0: must be at least 1"),
+        (["--n_embd=100", "--n_head=3"], "must split into n_head=3 heads"),
+        (["no_such_config.toml"], "config file no_such_config.toml not found"),
+        (["max_iters=3"], "config file max_iters=3 not found"),
+    ],
+)
 def test_bad_settings_are_one_clear_error(args, message):
     with pytest.raises(ConfigError) as error:
         parse_config(args)
@@ -94,8 +98,18 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
 
 def test_short_run_learns_writes_metrics_and_checkpoint(tiny_corpus, tmp_path):
     out = tmp_path / "run"
-    cfg = parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=40, eval_interval=20,
-                                 log_interval=10, lr=1e-2, warmup_iters=5))
+    cfg = parse_config(
+        tiny_args(
+            tiny_corpus,
+            tmp_path / "data",
+            out,
+            max_iters=40,
+            eval_interval=20,
+            log_interval=10,
+            lr=1e-2,
+            warmup_iters=5,
+        )
+    )
     result = train.train(cfg)
     records = metrics(out)
     losses = [r["train_loss"] for r in records if "train_loss" in r]
@@ -114,8 +128,9 @@ def test_resume_continues_exactly_where_the_run_stopped(tiny_corpus, tmp_path):
     # A constant learning rate (lr = min_lr) makes the schedule independent of max_iters, so stopping at
     # step 4 and resuming to 8 must match 8 straight steps bit for bit; dropout exercises the RNG state.
     def args(out, max_iters):
-        return tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=max_iters, eval_interval=4, dropout=0.1,
-                         lr=2e-3, min_lr=2e-3)
+        return tiny_args(
+            tiny_corpus, tmp_path / "data", out, max_iters=max_iters, eval_interval=4, dropout=0.1, lr=2e-3, min_lr=2e-3
+        )
 
     def without_rates(records):
         return [{k: v for k, v in r.items() if "per_sec" not in k} for r in records]
@@ -142,13 +157,19 @@ def test_resume_with_a_different_model_setting_is_refused(tiny_corpus, tmp_path)
         train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, n_embd=64) + ["--resume=true"]))
 
 
-@pytest.mark.parametrize("variant", ["--doc_mask=false", "--reset_position_ids=false", "--mask_boundary_loss=false",
-                                     "--pos_emb=rope", "--packing=pad"])
+@pytest.mark.parametrize(
+    "variant",
+    ["--doc_mask=false", "--reset_position_ids=false", "--mask_boundary_loss=false", "--pos_emb=rope", "--packing=pad"],
+)
 def test_each_variant_trains(tiny_corpus, tmp_path, variant):
     out = tmp_path / "run"
-    result = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2) + [variant]))
+    result = train.train(
+        parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2) + [variant])
+    )
     assert result["val_doc_loss"] > 0
-    assert json.loads((out / "config.json").read_text())[variant[2:].split("=")[0]] != getattr(Config(), variant[2:].split("=")[0])
+    assert json.loads((out / "config.json").read_text())[variant[2:].split("=")[0]] != getattr(
+        Config(), variant[2:].split("=")[0]
+    )
 
 
 def test_sample_script_generates_from_the_checkpoint(tiny_corpus, tmp_path):
@@ -165,8 +186,9 @@ def test_wandb_logs_offline(tiny_corpus, tmp_path):
     pytest.importorskip("wandb")
     out = tmp_path / "run"
     args = tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2) + ["--wandb=true"]
-    result = run_cli("train.py", *args, env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wb"),
-                                             "WANDB_SILENT": "true"})
+    result = run_cli(
+        "train.py", *args, env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wb"), "WANDB_SILENT": "true"}
+    )
     assert result.returncode == 0, result.stderr
     assert "warning: wandb" not in result.stderr
     runs = list((tmp_path / "wb").rglob("offline-run-*"))
