@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import tiktoken
 import torch
@@ -69,12 +70,13 @@ def test_resume_after_kill_9_at_random_steps_is_exact(long_args, tmp_path):
     assert records(out) == uninterrupted
 
 
-def test_sigterm_finishes_the_step_saves_and_exits_0(long_args, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_stop_signal_finishes_the_step_saves_and_exits_0(long_args, tmp_path, signum):
     args, uninterrupted = long_args
     out = tmp_path / "stopped"
     proc = start(args(out))
     wait_for_step(out, 10, proc)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0
     last_line = stdout.strip().splitlines()[-1]
@@ -154,6 +156,15 @@ def test_corrupted_meta_json(tiny_corpus, tmp_path):
     path = data.prepare(str(tiny_corpus), str(tmp_path / "data"), vocab_size=300, log=lambda *_: None)
     (path / "meta.json").write_text("{ not json")
     with pytest.raises(DataError, match="meta.json is corrupted"):
+        data.load_shards(path)
+
+
+def test_shard_with_token_ids_outside_the_vocabulary(tiny_corpus, tmp_path):
+    path = data.prepare(str(tiny_corpus), str(tmp_path / "data"), vocab_size=300, log=lambda *_: None)
+    tokens = np.fromfile(path / "val.bin", dtype=np.uint16)
+    tokens[0] = 60000
+    tokens.tofile(path / "val.bin")
+    with pytest.raises(DataError, match="val.bin does not match its tokenizer"):
         data.load_shards(path)
 
 
