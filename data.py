@@ -412,8 +412,11 @@ class Batch:
     position_ids: torch.Tensor  # (B, T) position fed to the model
     doc_positions: torch.Tensor  # (B, T) position within the document, for loss-by-position reports
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
-        return Batch(*(getattr(self, f).to(device, non_blocking=non_blocking) for f in self.__dataclass_fields__))
+    def to(self, device: torch.device | str) -> "Batch":
+        """To CUDA from pinned memory without blocking, so the next batch is built while the GPU works."""
+        cuda = torch.device(device).type == "cuda"
+        fields = (getattr(self, f) for f in self.__dataclass_fields__)
+        return Batch(*(t.pin_memory().to(device, non_blocking=True) if cuda else t.to(device) for t in fields))
 
 
 def make_batch(
@@ -490,6 +493,8 @@ class PackedBatches:
         reset_position_ids: bool = True,
         mask_boundary_loss: bool = True,
         split: str = "train",
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         if packing == "concat":
             self.starts, self.n_real, self.offsets = concat_rows(len(stream), seq_len)
@@ -497,20 +502,17 @@ class PackedBatches:
             self.starts, self.n_real, self.offsets = pad_rows(stream, eot_id, seq_len)
         else:
             raise ValueError(f"packing must be 'concat' or 'pad', got {packing!r}")
-        if len(self.starts) < batch_size:
+        if len(self.starts) < batch_size * world_size:
             raise DataError(
                 f"the {split} split's {len(stream):,} tokens give {len(self.starts)} rows of seq_len {seq_len} with "
-                f"packing={packing}, fewer than batch_size {batch_size}: use more data or smaller settings"
+                f"packing={packing}, fewer than batch_size {batch_size} x {world_size} process(es): "
+                "use more data or smaller settings"
             )
         self.stream, self.eot_id, self.seq_len, self.batch_size = stream, eot_id, seq_len, batch_size
-        self.shuffle, self.seed = shuffle, seed
+        self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
         self.reset_position_ids, self.mask_boundary_loss = reset_position_ids, mask_boundary_loss
         self.epoch, self.cursor = 0, 0
         self._order = self._epoch_order()
-
-    def __len__(self) -> int:
-        """Full batches per epoch (a partial last batch is dropped)."""
-        return len(self.starts) // self.batch_size
 
     def _epoch_order(self) -> np.ndarray:
         if not self.shuffle:
@@ -530,12 +532,15 @@ class PackedBatches:
         )
 
     def next(self) -> Batch:
-        if self.cursor + self.batch_size > len(self.starts):
+        """This process's share of the next global batch: every process steps through the same row
+        order, and process r takes rows [r * batch_size, (r + 1) * batch_size) of each global batch."""
+        global_batch = self.batch_size * self.world_size
+        if self.cursor + global_batch > len(self.starts):
             self.epoch, self.cursor = self.epoch + 1, 0
             self._order = self._epoch_order()
-        rows = self._order[self.cursor : self.cursor + self.batch_size]
-        self.cursor += self.batch_size
-        return self.batch(rows)
+        first = self.cursor + self.rank * self.batch_size
+        self.cursor += global_batch
+        return self.batch(self._order[first : first + self.batch_size])
 
     def all_batches(self, max_rows: int | None = None):
         """Every row in order (evaluation), in batches; the last batch may be smaller."""

@@ -18,6 +18,7 @@ import os
 import random
 import signal
 import sys
+import textwrap
 import time
 import tomllib
 from contextlib import nullcontext
@@ -26,7 +27,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 import data
 from data import IGNORE_INDEX, Batch, DataError, PackedBatches
@@ -206,10 +209,12 @@ def validate(cfg: Config) -> None:
 
 
 def help_text() -> str:
-    lines = [__doc__.strip(), "", "settings (default):"]
+    lines = [__doc__.strip(), "", "settings (--key=default):"]
     for f in dataclasses.fields(Config):
-        choices = f" [{'|'.join(f.metadata['choices'])}]" if f.metadata["choices"] else ""
-        lines.append(f"  --{f.name}={f.default!r}{choices}\n      {f.metadata['help']}")
+        default = str(f.default).lower() if isinstance(f.default, bool) else f.default
+        choices = f"  [{' | '.join(f.metadata['choices'])}]" if f.metadata["choices"] else ""
+        lines.append(f"  --{f.name}={default}{choices}")
+        lines += textwrap.wrap(f.metadata["help"], width=100, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines)
 
 
@@ -254,16 +259,26 @@ def summed_loss(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, tor
 
 
 def accumulate_gradients(model: torch.nn.Module, micro_batches: list[Batch], autocast) -> torch.Tensor:
-    """Backward over all micro-batches of one step. The loss is normalised by the counted targets of
-    the whole step, so every target weighs the same however they fall into micro-batches."""
-    n_counted = sum((b.targets != IGNORE_INDEX).sum() for b in micro_batches).clamp(min=1)
+    """Backward over all micro-batches of one step; returns the step's mean loss. The loss is normalised
+    by the counted targets of the whole step (on every process), so every target weighs the same
+    however they fall into micro-batches and processes."""
+    n_counted = sum((b.targets != IGNORE_INDEX).sum() for b in micro_batches)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if world_size > 1:
+        dist.all_reduce(n_counted)
+    n_counted = n_counted.clamp(min=1)
     total = torch.zeros((), device=micro_batches[0].inputs.device)
-    for batch in micro_batches:
-        with autocast:
-            loss_sum, _ = summed_loss(model, batch)
-        loss = loss_sum / n_counted
-        loss.backward()
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        # DDP averages gradients over processes at the last backward; the others skip that all-reduce
+        with nullcontext() if last or world_size == 1 else model.no_sync():
+            with autocast:
+                loss_sum, _ = summed_loss(model, batch)
+            loss = loss_sum / n_counted
+            (loss * world_size).backward()  # undo DDP's average: the loss is already a global mean
         total += loss.detach()
+    if world_size > 1:
+        dist.all_reduce(total)
     return total
 
 
@@ -363,14 +378,15 @@ def set_rng_states(states: dict) -> None:
 class MetricsLog:
     """out_dir/metrics.jsonl, plus wandb when asked for."""
 
-    def __init__(self, out_dir: Path, cfg: Config, resume_step: int | None) -> None:
-        self.path = out_dir / "metrics.jsonl"
+    def __init__(self, out_dir: Path, cfg: Config, resume_step: int | None, enabled: bool = True) -> None:
+        self.path, self.enabled, self.wandb_run = out_dir / "metrics.jsonl", enabled, None
+        if not enabled:  # processes other than 0 under DDP
+            return
         if resume_step is None:
             self.path.write_text("")
         else:  # drop what was logged after the checkpoint, so the log reads as one run
             lines = self.path.read_text().splitlines() if self.path.exists() else []
             self.path.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= resume_step))
-        self.wandb_run = None
         if cfg.wandb:
             try:
                 import wandb
@@ -390,6 +406,8 @@ class MetricsLog:
                 )
 
     def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
@@ -446,23 +464,58 @@ def check_out_dir(out_dir: Path) -> None:
         raise ConfigError(f"out_dir {out_dir} is not writable ({e.strerror})") from None
 
 
-def train(cfg: Config) -> dict:
-    """Run training as configured; returns the last evaluation."""
+def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
+    """(rank, world_size, device). Under torchrun (WORLD_SIZE > 1) joins the process group: NCCL on GPU,
+    gloo on CPU, one GPU per process."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device = resolve_device(cfg.device)
+    if world_size == 1:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), world_size, device
+
+
+def any_process(flag: bool, device: torch.device) -> bool:
+    """True on every process if it is true on any (a collective: call it on all of them)."""
+    flag_tensor = torch.tensor(float(flag), device=device)
+    dist.all_reduce(flag_tensor, op=dist.ReduceOp.MAX)
+    return bool(flag_tensor.item())
+
+
+def train(cfg: Config) -> dict:
+    """Run training as configured; returns the last evaluation (on process 0)."""
+    rank, world_size, device = setup_distributed(cfg)
+    try:
+        return _train(cfg, rank, world_size, device)
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()
+
+
+def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
+    main_process = rank == 0  # the only one that prints, logs, evaluates and writes checkpoints
+    say = print if main_process else (lambda *args, **kwargs: None)
     if device.type != "cuda" and cfg.attn_impl == "flex":
         raise ConfigError("attn_impl=flex needs CUDA: FlexAttention has no backward on CPU; use attn_impl=sdpa")
     out_dir = Path(cfg.out_dir)
-    check_out_dir(out_dir)
     ckpt_path = out_dir / "ckpt.pt"
     checkpoint = load_checkpoint(ckpt_path, cfg) if cfg.resume else None
+    if checkpoint is not None and len(checkpoint["rng"]) != world_size:
+        raise ConfigError(f"{ckpt_path} was written by {len(checkpoint['rng'])} process(es): resume with as many")
+    if main_process:
+        check_out_dir(out_dir)
     if cfg.packing == "pad" and not (cfg.doc_mask and cfg.reset_position_ids and cfg.mask_boundary_loss):
-        print(
-            "warning: with packing=pad each row holds one document, so the three flags change nothing", file=sys.stderr
-        )
+        say("warning: with packing=pad each row holds one document, so the three flags change nothing", file=sys.stderr)
 
-    shard_path = data.prepare(
-        cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.tokenizer_vocab_size, cfg.val_fraction, cfg.data_seed
-    )
+    prepare_args = (cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.tokenizer_vocab_size, cfg.val_fraction, cfg.data_seed)
+    if world_size > 1 and not main_process:
+        dist.barrier()  # process 0 prepares the data first
+    shard_path = data.prepare(*prepare_args, log=say)
+    if world_size > 1 and main_process:
+        dist.barrier()
     shards = data.load_shards(shard_path)
     if checkpoint is not None and checkpoint["tokenizer_sha256"] != shards.meta["tokenizer_sha256"]:
         raise ConfigError(f"{ckpt_path} was trained with another tokenizer than the shards in {shard_path}")
@@ -472,10 +525,12 @@ def train(cfg: Config) -> dict:
         cfg.seq_len,
         cfg.batch_size,
         cfg.packing,
-        True,
-        cfg.seed,
-        cfg.reset_position_ids,
-        cfg.mask_boundary_loss,
+        shuffle=True,
+        seed=cfg.seed,
+        reset_position_ids=cfg.reset_position_ids,
+        mask_boundary_loss=cfg.mask_boundary_loss,
+        rank=rank,
+        world_size=world_size,
     )
     PackedBatches(shards.val, shards.eot_id, cfg.seq_len, 1, cfg.packing, split="val")  # fails early if val has no row
 
@@ -493,45 +548,60 @@ def train(cfg: Config) -> dict:
         attn_impl=cfg.attn_impl,
     )
     model = GPT(model_config).to(device)
+    if world_size > 1:
+        torch.manual_seed(cfg.seed + rank)  # the same init everywhere, different dropout masks per process
     optimizer = make_optimizer(model, cfg, device)
     start_step = 0
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         train_batches.load_state_dict(checkpoint["data"])
-        set_rng_states(checkpoint["rng"])
+        set_rng_states(checkpoint["rng"][rank])
         start_step = checkpoint["step"]
-    step_model = torch.compile(model) if cfg.compile else model
+    compiled_model = torch.compile(model) if cfg.compile else model
+    step_model = compiled_model
+    if world_size > 1:
+        ddp_devices = [device.index] if device.type == "cuda" else None
+        step_model = DistributedDataParallel(compiled_model, device_ids=ddp_devices, broadcast_buffers=False)
     use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
 
-    (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    log = MetricsLog(out_dir, cfg, start_step if checkpoint else None)
-    print(
+    if main_process:
+        (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    log = MetricsLog(out_dir, cfg, start_step if checkpoint else None, enabled=main_process)
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * world_size
+    say(
         f"model: {model.num_params() / 1e6:.2f}M parameters, pos_emb={cfg.pos_emb}, device={device}, "
         f"attention={'flex' if model_config.doc_mask and use_flex(model_config, device) else 'sdpa'}"
+        + (f", {world_size} processes" if world_size > 1 else "")
     )
-    print(
-        f"run: {cfg.max_iters} steps of {cfg.batch_size * cfg.grad_accum * cfg.seq_len:,} tokens, "
-        f"packing={cfg.packing}, doc_mask={cfg.doc_mask}, "
+    say(
+        f"run: {cfg.max_iters} steps of {tokens_per_step:,} tokens, packing={cfg.packing}, doc_mask={cfg.doc_mask}, "
         f"reset_position_ids={cfg.reset_position_ids}, mask_boundary_loss={cfg.mask_boundary_loss}"
         + (f", resuming after step {start_step}" if checkpoint else "")
     )
 
-    def checkpoint_state(step: int) -> dict:
-        return {
+    def save(step: int) -> None:
+        """A collective under DDP (every process's RNG state goes into the checkpoint)."""
+        rng = [rng_states()]
+        if world_size > 1:
+            rng = [None] * world_size
+            dist.all_gather_object(rng, rng_states())
+        if not main_process:
+            return
+        state = {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "config": dataclasses.asdict(cfg),
             "model_config": dataclasses.asdict(model_config),
             "step": step,
             "data": train_batches.state_dict(),
-            "rng": rng_states(),
+            "rng": rng,
             "tokenizer_sha256": shards.meta["tokenizer_sha256"],
             "shards": str(shard_path),
         }
+        save_checkpoint(ckpt_path, state)
 
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
     result: dict = {}
     t_log, counted_since_log = time.time(), torch.zeros((), device=device)
     nonfinite = torch.zeros((), dtype=torch.bool, device=device)  # checked at log steps: no per-step sync
@@ -541,7 +611,7 @@ def train(cfg: Config) -> dict:
             lr = lr_at(step - 1, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            micro_batches = [train_batches.next().to(device, non_blocking=True) for _ in range(cfg.grad_accum)]
+            micro_batches = [train_batches.next().to(device) for _ in range(cfg.grad_accum)]
             loss = accumulate_gradients(step_model, micro_batches, autocast)
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -551,7 +621,12 @@ def train(cfg: Config) -> dict:
             counted_since_log += sum((b.targets != IGNORE_INDEX).sum() for b in micro_batches)
 
             last = step == cfg.max_iters
-            should_log = step % cfg.log_interval == 0 or last or stop.requested
+            # Under DDP the processes agree on stopping at log steps, so none is left waiting for the others.
+            if world_size == 1:
+                stopping = stop.requested
+            else:
+                stopping = step % cfg.log_interval == 0 and any_process(stop.requested, device)
+            should_log = step % cfg.log_interval == 0 or last or stopping
             should_eval = step % cfg.eval_interval == 0 or last
             if (should_log or should_eval) and nonfinite.item():  # before anything is logged or saved
                 raise TrainingDiverged(
@@ -567,10 +642,10 @@ def train(cfg: Config) -> dict:
                     "train_loss": round(loss.item(), 4),
                     "lr": lr,
                     "tokens_per_sec": round(tok_s),
-                    "counted_tokens_per_sec": round(counted_since_log.item() / (now - t_log)),
+                    "counted_tokens_per_sec": round(counted_since_log.item() * world_size / (now - t_log)),
                 }
                 log.write(record)
-                print(
+                say(
                     f"step {step:>5}/{cfg.max_iters} | loss {record['train_loss']:.4f} | lr {lr:.2e} | "
                     f"{tok_s:,.0f} tok/s | ETA {format_duration(eta)}",
                     flush=True,
@@ -578,32 +653,35 @@ def train(cfg: Config) -> dict:
                 t_log, step_at_log, counted_since_log = time.time(), step, torch.zeros((), device=device)
             if should_eval:
                 t_eval = time.time()
-                result = {"step": step, **evaluate(step_model, shards, cfg, device, autocast)}
-                if not (math.isfinite(result["val_loss"]) and math.isfinite(result["val_doc_loss"])):
-                    raise TrainingDiverged(
-                        f"validation loss is non-finite at step {step}; the last good checkpoint is kept in {ckpt_path}"
+                if main_process:  # the unwrapped model: a DDP forward on one process alone would hang
+                    result = {"step": step, **evaluate(compiled_model, shards, cfg, device, autocast)}
+                    if not (math.isfinite(result["val_loss"]) and math.isfinite(result["val_doc_loss"])):
+                        raise TrainingDiverged(
+                            f"validation loss is non-finite at step {step}; "
+                            f"the last good checkpoint is kept in {ckpt_path}"
+                        )
+                    log.write(result)
+                save(step)
+                if main_process:
+                    print(
+                        f"eval {step:>5} | val_loss {result['val_loss']:.4f} | "
+                        f"val_doc_loss {result['val_doc_loss']:.4f} | {time.time() - t_eval:.1f}s, checkpoint saved",
+                        flush=True,
                     )
-                log.write(result)
-                save_checkpoint(ckpt_path, checkpoint_state(step))
-                print(
-                    f"eval {step:>5} | val_loss {result['val_loss']:.4f} | val_doc_loss {result['val_doc_loss']:.4f} "
-                    f"| {time.time() - t_eval:.1f}s, checkpoint saved",
-                    flush=True,
-                )
                 t_log += time.time() - t_eval  # evaluation time does not count against training throughput
-            if stop.requested and not last:
-                save_checkpoint(ckpt_path, checkpoint_state(step))
-                print(f"stopped after step {step}; resume with: python train.py {' '.join(sys.argv[1:])} --resume=true")
+            if stopping and not last:
+                save(step)
+                say(f"stopped after step {step}; resume with: python train.py {' '.join(sys.argv[1:])} --resume=true")
                 return result
 
-    if cfg.sample_prompt and cfg.sample_tokens and result:
+    if main_process and cfg.sample_prompt and cfg.sample_tokens and result:
         enc = data.load_tokenizer(shard_path)
         prompt = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
         with autocast:
             out = model.eval().generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50, stop_token=shards.eot_id)
         text = enc.decode([t for t in out[0].tolist() if t < enc.n_vocab and t != shards.eot_id])
-        print(f"\nfinal val_doc_loss {result['val_doc_loss']:.4f} (val_loss {result['val_loss']:.4f})")
-        print(f"sample:\n{text}")
+        say(f"\nfinal val_doc_loss {result['val_doc_loss']:.4f} (val_loss {result['val_loss']:.4f})")
+        say(f"sample:\n{text}")
     return result
 
 
@@ -614,7 +692,8 @@ def main(argv: list[str]) -> int:
     try:
         train(parse_config(argv))
     except (ConfigError, DataError, TrainingDiverged) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
 
