@@ -90,3 +90,33 @@ def test_flex_forward_matches_dense_sdpa(compiled):
 def test_every_query_attends_to_at_least_itself():
     allowed = document_causal_dense(layouts_batch())
     assert allowed.diagonal(dim1=-2, dim2=-1).all()
+
+
+def test_bench_script_runs_and_reports_every_variant(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "bench.json"
+    args = [
+        "--seq_lens=128",
+        "--tokens=256",
+        "--steps=1",
+        "--warmup=1",
+        "--layouts=real,synthetic",
+        "--variants=flex_doc,sdpa_causal,sdpa_doc,varlen",
+        f"--out={out}",
+    ]
+    result = subprocess.run([sys.executable, "bench.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = {(r["layout"], r["variant"]): r for r in report["results"]}
+    assert len(rows) == 8 and report["peak_flops"] > 0
+    for layout in ("real", "synthetic"):
+        assert rows[layout, "sdpa_causal"]["tokens_per_sec"] > 0 and 0 < rows[layout, "sdpa_doc"]["mfu"] < 1
+        assert rows[layout, "flex_doc"]["attention_ms"] > 0  # forward only on CPU
+        assert "skipped" in rows[layout, "flex_doc"] and "skipped" in rows[layout, "varlen"]
+    assert rows["synthetic", "sdpa_doc"]["ideal_doc_mask_speedup"] > 1.5  # 64-token documents in 128-token rows
+    assert "| 128 | real |" in result.stdout

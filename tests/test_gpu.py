@@ -40,3 +40,27 @@ def test_flex_and_dense_agree_forward_and_backward(dtype, atol, pos_emb):
     assert torch.allclose(outputs[0], outputs[1], atol=atol), (outputs[0] - outputs[1]).abs().max()
     scale = grads[1].abs().max()
     assert torch.allclose(grads[0], grads[1], atol=atol * scale), (grads[0] - grads[1]).abs().max()
+
+
+def test_no_recompilation_when_document_boundaries_change():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=512, seq_len=T, n_layer=2, n_head=4, n_embd=128, pos_emb="rope")).cuda()
+    compiled = torch.compile(model)
+    rng = np.random.default_rng(1)
+
+    def step():
+        stream = rng.integers(0, EOT, size=8 * T + 1).astype(np.uint16)
+        stream[rng.random(stream.size) < rng.uniform(0.005, 0.05)] = EOT  # a new layout every step
+        batch = make_batch(stream, np.arange(8) * T, np.full(8, T + 1), T, EOT).to("cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            compiled(batch.inputs, batch.doc_ids, batch.position_ids).float().mean().backward()
+
+    for _ in range(3):  # warm-up
+        step()
+    frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(5):
+        step()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames_before
