@@ -1,0 +1,435 @@
+"""Controlled ablations of the three flags: every variant x position kind x seed, then a table and figures.
+
+    python ablate.py configs/ablate_cpu.toml               # a 2-core CPU, under an hour
+    python ablate.py configs/ablate_gpu.toml               # one GPU
+    python ablate.py configs/ablate_cpu.toml --seeds=5 --max_iters=400 --n_layer=6
+
+The config file holds train.py keys plus an [ablate] table (seeds, out_dir, probe settings); any
+train.py key or --seeds can be overridden after it. Every run of a study uses the same data order, model
+init and number of real (non-padding) training tokens; only the variant's settings differ, and a run's
+seed sets both init and data order, so differences are paired by seed. Finished runs are skipped, so an
+interrupted study continues where it stopped.
+
+Written to the study's out_dir: results.md (the table), results.json (every number in it, per run
+too), val_loss.png, loss_by_position.png, offset_probe.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import data
+import train
+from data import IGNORE_INDEX
+from model import GPT, GPTConfig
+
+POSITION_KINDS = ("learned", "rope")
+VARIANTS = {  # name: the train.py settings it changes from the reference
+    "reference": {},
+    "no_doc_mask": {"doc_mask": False},
+    "no_reset_position_ids": {"reset_position_ids": False},
+    "no_mask_boundary_loss": {"mask_boundary_loss": False},
+    "naive": {"doc_mask": False, "reset_position_ids": False, "mask_boundary_loss": False},
+    "pad": {"packing": "pad"},
+}
+# probe_offsets: k values of the offset probe; 0 and seq_len / 2 are always added
+ABLATE_DEFAULTS = {"seeds": 3, "out_dir": "out/ablate", "probe_docs": 64, "probe_offsets": [64]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration
+
+
+def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
+    """(ablate settings, train.py arguments) from a TOML file and --key=value overrides."""
+    if not argv or argv[0].startswith("--"):
+        raise train.ConfigError("usage: python ablate.py CONFIG.toml [--seeds=N] [--train_key=value ...]")
+    path = Path(argv[0])
+    try:
+        values = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise train.ConfigError(f"config file {path} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise train.ConfigError(f"config file {path} does not parse: {e}") from None
+    settings = {**ABLATE_DEFAULTS, **values.pop("ablate", {})}
+    unknown = set(settings) - set(ABLATE_DEFAULTS)
+    if unknown:
+        raise train.ConfigError(
+            f"unknown [ablate] key(s) {', '.join(sorted(unknown))}; valid: {', '.join(ABLATE_DEFAULTS)}"
+        )
+    train_args = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+    for arg in argv[1:]:
+        key = arg[2:].split("=", 1)[0]
+        if key in ("seeds", "out_dir") and "=" in arg:
+            settings[key] = arg.split("=", 1)[1]
+        else:
+            train_args.append(arg)
+    try:
+        settings["seeds"] = int(settings["seeds"])
+    except ValueError:
+        raise train.ConfigError(f"seeds={settings['seeds']!r}: expected a number of seeds") from None
+    if settings["seeds"] < 1:
+        raise train.ConfigError("seeds must be at least 1")
+    train.parse_config(train_args)  # fails early, with train.py's messages, on a bad key or value
+    return settings, train_args
+
+
+def pad_steps_factor(cfg: train.Config) -> float:
+    """How many more steps a pad run needs to see as many real tokens as a packed run."""
+    shards = data.load_shards(
+        data.prepare(
+            cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.tokenizer_vocab_size, cfg.val_fraction, cfg.data_seed
+        )
+    )
+    _, n_real, _ = data.pad_rows(shards.train, shards.eot_id, cfg.seq_len)
+    return cfg.seq_len / float(np.minimum(n_real, cfg.seq_len).mean())
+
+
+def run_config(train_args: list[str], pos_emb: str, variant: str, seed: int, out_dir: Path, pad_factor: float):
+    overrides = {"pos_emb": pos_emb, "seed": seed, "out_dir": out_dir, "sample_tokens": 0, **VARIANTS[variant]}
+    cfg = train.parse_config(
+        train_args + [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items()]
+    )
+    if variant == "pad":  # the same real training tokens: more steps, with the schedule stretched to match
+        for key in ("max_iters", "warmup_iters", "eval_interval"):
+            setattr(cfg, key, max(1, round(getattr(cfg, key) * pad_factor)))
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Probes: the same validation documents, placed in a row in different ways, under the run's own settings.
+
+
+def probe_documents(val: np.ndarray, eot_id: int, n_docs: int, window: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """The first n_docs validation documents (their first `window` tokens plus one), and a stream of
+    later ones to fill rows with."""
+    ends = np.flatnonzero(val == eot_id) + 1
+    starts = np.concatenate([[0], ends[:-1]])
+    docs = [val[s : min(e, s + window + 1)].astype(np.int64) for s, e in zip(starts, ends) if e - s >= 2]
+    if len(docs) < n_docs + 2:
+        raise data.DataError(f"the validation split has {len(docs)} documents; the probes need {n_docs + 2}")
+    filler = val[starts[n_docs] :].astype(np.int64)
+    return docs[:n_docs], filler
+
+
+def doc_loss_in_rows(
+    model: GPT, cfg: train.Config, eot_id: int, prefixes: list[np.ndarray], docs: list[np.ndarray], device: torch.device
+) -> float:
+    """Mean loss over the documents' own targets, each document after its prefix in one row, with the
+    run's position and loss settings (its doc_mask is in the model)."""
+    T = cfg.seq_len
+    total, count = 0.0, 0
+    for i in range(0, len(docs), 32):
+        rows = [np.concatenate([p, d]) for p, d in zip(prefixes[i : i + 32], docs[i : i + 32])]
+        stream = np.full((len(rows), T + 1), eot_id, dtype=np.int64)
+        for r, row in enumerate(rows):
+            stream[r, : len(row)] = row
+        flat = stream.reshape(-1)
+        b = data.make_batch(
+            flat,
+            np.arange(len(rows)) * (T + 1),
+            np.array([len(r) for r in rows]),
+            T,
+            eot_id,
+            cfg.reset_position_ids,
+            cfg.mask_boundary_loss,
+        )
+        own = torch.zeros_like(b.targets, dtype=torch.bool)
+        for r, (p, d) in enumerate(zip(prefixes[i : i + 32], docs[i : i + 32])):
+            own[r, len(p) : len(p) + len(d) - 1] = True  # targets inside the document, predicted from it
+        b = b.to(device)
+        targets = b.targets.masked_fill(~own.to(device), IGNORE_INDEX)
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(b.inputs, b.doc_ids, b.position_ids).float()
+        total += F.cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        ).item()
+        count += int(own.sum())
+    return total / count
+
+
+def run_probes(out_dir: Path, cfg: train.Config, n_docs: int, offsets: list[int]) -> dict:
+    device = train.resolve_device(cfg.device)
+    state = torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=False)
+    model = GPT(GPTConfig(**state["model_config"]))
+    model.load_state_dict(state["model"])
+    model.to(device).eval()
+    shards = data.load_shards(Path(state["shards"]))
+    window = cfg.seq_len - max(offsets)
+    docs, filler = probe_documents(shards.val, shards.eot_id, n_docs, window)
+    offset_loss = {}
+    for k in offsets:  # k tokens of other documents first, the last of them an EOT
+        prefixes = [
+            np.append(filler[i * k : i * k + k - 1], shards.eot_id) if k else filler[:0] for i in range(len(docs))
+        ]
+        offset_loss[str(k)] = doc_loss_in_rows(model, cfg, shards.eot_id, prefixes, docs, device)
+    # one whole unrelated document first (cut to the space the offsets leave, keeping its EOT)
+    other_docs, _ = probe_documents(filler, shards.eot_id, len(docs), max(offsets) - 1)
+    unrelated = [d if d[-1] == shards.eot_id else np.append(d[:-1], shards.eot_id) for d in other_docs]
+    after_other = doc_loss_in_rows(model, cfg, shards.eot_id, unrelated, docs, device)
+    return {"offset_loss": offset_loss, "contamination": after_other - offset_loss["0"]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Running the grid
+
+
+def run_one(cfg: train.Config, settings: dict) -> dict:
+    out = Path(cfg.out_dir)
+    done = out / "result.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    cfg.resume = (out / "ckpt.pt").exists()  # a run interrupted earlier continues from its checkpoint
+    train.train(cfg)
+    if torch.load(out / "ckpt.pt", map_location="cpu", weights_only=False)["step"] != cfg.max_iters:
+        raise StudyStopped(f"stopped during {out}; run the same command again to continue the study")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if "train_loss" in r]
+    evals = [r for r in records if "val_doc_loss" in r]
+    result = {
+        "val_doc_loss": evals[-1]["val_doc_loss"],
+        "val_loss": evals[-1]["val_loss"],
+        "val_doc_loss_by_position": evals[-1]["val_doc_loss_by_position"],
+        "curve": [(r["step"], r["val_doc_loss"]) for r in evals],
+        "wall_seconds": training_seconds(train_records, cfg.batch_size * cfg.grad_accum * cfg.seq_len),
+        "useful_tokens_per_sec": float(np.mean([r["counted_tokens_per_sec"] for r in train_records])),
+        "steps": cfg.max_iters,
+        **run_probes(out, cfg, settings["probe_docs"], settings["probe_offsets"]),
+    }
+    tmp = done.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, done)  # a run counts as finished only once its probes are written
+    return result
+
+
+def training_seconds(train_records: list[dict], tokens_per_step: int) -> float:
+    """Time spent in training steps (evaluations excluded), from the logged rates, so that a run
+    resumed after an interruption is timed like one that was not."""
+    steps = np.diff([0] + [r["step"] for r in train_records])
+    return float(sum(n * tokens_per_step / r["tokens_per_sec"] for n, r in zip(steps, train_records)))
+
+
+class StudyStopped(Exception):
+    pass
+
+
+def mean_spread(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 with one value)."""
+    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+
+def summarise(runs: dict, offsets: list[int]) -> dict:
+    """Per (position kind, variant): mean and spread of each metric, and of the paired (same seed)
+    difference to the reference."""
+    summary = {}
+    for pos in POSITION_KINDS:
+        for variant in VARIANTS:
+            cell = runs[pos][variant]
+            ref = runs[pos]["reference"]
+            seeds = sorted(cell)
+            metrics = {
+                "val_doc_loss": [cell[s]["val_doc_loss"] for s in seeds],
+                "val_loss": [cell[s]["val_loss"] for s in seeds],
+                "contamination": [cell[s]["contamination"] for s in seeds],
+                "wall_seconds": [cell[s]["wall_seconds"] for s in seeds],
+                "useful_tokens_per_sec": [cell[s]["useful_tokens_per_sec"] for s in seeds],
+                **{f"offset_{k}": [cell[s]["offset_loss"][str(k)] for s in seeds] for k in offsets},
+            }
+            entry = {name: mean_spread(values) for name, values in metrics.items()}
+            entry["delta_val_doc_loss"] = mean_spread([cell[s]["val_doc_loss"] - ref[s]["val_doc_loss"] for s in seeds])
+            entry["seeds"] = len(seeds)
+            summary[f"{pos}/{variant}"] = entry
+    return summary
+
+
+def environment() -> dict:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        commit = (commit + ("+uncommitted changes" if dirty else "")) or "unknown"
+    except OSError:
+        commit = "unknown"
+    if torch.cuda.is_available():
+        hardware = torch.cuda.get_device_name()
+    else:
+        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
+        hardware = f"CPU: {names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    return {
+        "hardware": hardware,
+        "torch": torch.__version__,
+        "commit": commit,
+        "command": "python " + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+
+
+def format_report(summary: dict, env: dict, settings: dict, offsets: list[int], cfg: train.Config) -> str:
+    def ms(pair: tuple[float, float], digits: int = 3) -> str:
+        return f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
+
+    offset_cols = " | ".join(f"offset {k}" for k in offsets)
+    lines = [
+        "# Ablation results",
+        "",
+        f"- command: `{env['command']}`",
+        f"- hardware: {env['hardware']}, torch {env['torch']}, commit {env['commit']}",
+        f"- {settings['seeds']} seeds per cell (mean ± sample standard deviation); each packed run "
+        f"{cfg.max_iters} steps of {cfg.batch_size * cfg.grad_accum} x {cfg.seq_len} tokens, pad runs as many "
+        "real tokens",
+        f"- model: {cfg.n_layer} layers, {cfg.n_embd} wide, {cfg.n_head} heads; data: {cfg.dataset}, "
+        f"tokenizer {cfg.tokenizer} {cfg.tokenizer_vocab_size}",
+        "",
+        "`val_doc_loss`: each validation document alone from position 0 (the same for every run). "
+        "`Δ ref`: paired by seed. `offset k`: the probe documents' loss after k tokens of other documents, "
+        "under the run's own settings. `contamination`: loss after one unrelated document minus loss alone.",
+        "",
+        f"| variant | val_doc_loss | Δ ref | val_loss (own packing) | {offset_cols} | contamination "
+        "| train wall s | useful tok/s |",
+        "|" + " --- |" * (7 + len(offsets)),
+    ]
+    for key, entry in summary.items():
+        offsets_text = " | ".join(ms(entry[f"offset_{k}"]) for k in offsets)
+        lines.append(
+            f"| {key} | {ms(entry['val_doc_loss'])} | {ms(entry['delta_val_doc_loss'])} | {ms(entry['val_loss'])} "
+            f"| {offsets_text} | {ms(entry['contamination'])} | {entry['wall_seconds'][0]:.1f} "
+            f"| {entry['useful_tokens_per_sec'][0]:,.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: dict, offsets: list[int], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def per_variant(fn):
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+        for ax, pos in zip(axes, POSITION_KINDS):
+            for variant in VARIANTS:
+                fn(ax, runs[pos][variant], variant)
+            ax.set_title(f"pos_emb = {pos}")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        return fig, axes
+
+    def curve(ax, cell, variant):
+        steps = [s for s, _ in next(iter(cell.values()))["curve"]]
+        losses = np.array([[v for _, v in r["curve"]] for r in cell.values()])
+        fraction = np.array(steps) / steps[-1]
+        ax.errorbar(fraction, losses.mean(0), yerr=losses.std(0), label=variant, capsize=3)
+
+    fig, axes = per_variant(curve)
+    axes[0].set_xlabel("fraction of training (pad runs take more steps)")
+    axes[0].set_ylabel("val_doc_loss")
+    fig.savefig(out / "val_loss.png", dpi=110, bbox_inches="tight")
+
+    def by_position(ax, cell, variant):
+        n = min(len(r["val_doc_loss_by_position"]) for r in cell.values())
+        loss = np.mean([r["val_doc_loss_by_position"][:n] for r in cell.values()], axis=0)
+        edges = np.unique(np.geomspace(1, n, 16).astype(int))  # log-spaced bins: early positions matter most
+        centers = [(a + b - 1) / 2 for a, b in zip(np.r_[0, edges[:-1]], edges)]
+        ax.plot(
+            centers, [loss[a:b].mean() for a, b in zip(np.r_[0, edges[:-1]], edges)], marker="o", ms=3, label=variant
+        )
+        ax.set_xscale("symlog")
+
+    fig, axes = per_variant(by_position)
+    axes[0].set_xlabel("position within the document")
+    axes[0].set_ylabel("val_doc_loss")
+    fig.savefig(out / "loss_by_position.png", dpi=110, bbox_inches="tight")
+
+    def offset_probe(ax, cell, variant):
+        losses = np.array([[r["offset_loss"][str(k)] for k in offsets] for r in cell.values()])
+        ax.errorbar(offsets, losses.mean(0), yerr=losses.std(0), marker="o", capsize=3, label=variant)
+
+    fig, axes = per_variant(offset_probe)
+    axes[0].set_xlabel("tokens of other documents before the document (k)")
+    axes[0].set_ylabel("loss on the document")
+    fig.savefig(out / "offset_probe.png", dpi=110, bbox_inches="tight")
+    plt.close("all")
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    try:
+        settings, train_args = parse_args(argv)
+        base = train.parse_config(train_args)
+        offsets = sorted({int(k) for k in settings["probe_offsets"]} | {0, base.seq_len // 2})
+        settings["probe_offsets"] = offsets
+        if max(offsets) >= base.seq_len - 1:
+            raise train.ConfigError(f"probe_offsets must be below seq_len - 1 = {base.seq_len - 1}")
+        pad_factor = pad_steps_factor(base)
+        out = Path(settings["out_dir"])
+        grid = [
+            (pos, variant, seed) for pos in POSITION_KINDS for variant in VARIANTS for seed in range(settings["seeds"])
+        ]
+        runs: dict = {pos: {variant: {} for variant in VARIANTS} for pos in POSITION_KINDS}
+        t0 = time.time()
+        trained = 0
+        for i, (pos, variant, seed) in enumerate(grid):
+            cfg = run_config(train_args, pos, variant, seed, out / pos / variant / f"seed{seed}", pad_factor)
+            fresh = not (Path(cfg.out_dir) / "result.json").exists()
+            print(
+                f"\n=== run {i + 1}/{len(grid)}: pos_emb={pos} {variant} seed={seed}"
+                + ("" if fresh else " (finished before: skipped)"),
+                flush=True,
+            )
+            runs[pos][variant][seed] = run_one(cfg, settings)
+            trained += fresh
+            if fresh:
+                remaining = sum(
+                    1 for p, v, s in grid[i + 1 :] if not (out / p / v / f"seed{s}" / "result.json").exists()
+                )
+                eta = train.format_duration((time.time() - t0) / trained * remaining)
+                print(f"=== study: {i + 1}/{len(grid)} runs done, ETA {eta}", flush=True)
+    except StudyStopped as e:
+        print(e)
+        return 0
+    except (train.ConfigError, data.DataError, train.TrainingDiverged) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    summary = summarise(runs, offsets)
+    env = environment()
+    report = format_report(summary, env, settings, offsets, base)
+    (out / "results.md").write_text(report)
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "environment": env,
+                "settings": settings,
+                "pad_steps_factor": pad_factor,
+                "summary": summary,
+                "runs": runs,
+            },
+            indent=1,
+        )
+    )
+    plot(runs, offsets, out)
+    print("\n" + report)
+    print(f"wrote {out / 'results.md'}, results.json, val_loss.png, loss_by_position.png, offset_probe.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

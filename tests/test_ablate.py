@@ -1,0 +1,59 @@
+"""ablate.py end to end at a tiny size (two steps per run): the grid, the report's structure, the
+figures, and that re-running skips finished runs."""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_path):
+    config = tmp_path / "tiny.toml"
+    config.write_text(
+        f'dataset = "{tiny_corpus}"\ndata_dir = "{tmp_path / "data"}"\ntokenizer_vocab_size = 320\nseq_len = 64\n'
+        "n_layer = 1\nn_head = 2\nn_embd = 32\nbatch_size = 4\nmax_iters = 2\neval_interval = 1\neval_rows = 8\n"
+        f'log_interval = 1\nwarmup_iters = 1\n[ablate]\nseeds = 2\nout_dir = "{tmp_path / "study"}"\n'
+        "probe_docs = 8\nprobe_offsets = [16]\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "ablate.py", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    study = tmp_path / "study"
+    report = json.loads((study / "results.json").read_text())
+    summary = report["summary"]
+    variants = ["reference", "no_doc_mask", "no_reset_position_ids", "no_mask_boundary_loss", "naive", "pad"]
+    assert sorted(summary) == sorted(f"{p}/{v}" for p in ("learned", "rope") for v in variants)
+    for entry in summary.values():
+        assert entry["seeds"] == 2
+        assert {
+            "val_doc_loss",
+            "delta_val_doc_loss",
+            "val_loss",
+            "offset_0",
+            "offset_16",
+            "offset_32",
+            "contamination",
+            "wall_seconds",
+            "useful_tokens_per_sec",
+        } <= entry.keys()
+        assert all(len(entry[m]) == 2 for m in ("val_doc_loss", "offset_32"))  # mean and spread
+    assert summary["learned/reference"]["delta_val_doc_loss"] == [0.0, 0.0]
+    # with the document mask and position reset, other documents before a document change nothing
+    for pos in ("learned", "rope"):
+        ref = report["runs"][pos]["reference"]["0"]
+        assert abs(ref["offset_loss"]["32"] - ref["offset_loss"]["0"]) < 1e-4 and abs(ref["contamination"]) < 1e-4
+    naive = report["runs"]["learned"]["naive"]["0"]
+    assert abs(naive["offset_loss"]["32"] - naive["offset_loss"]["0"]) > 1e-4  # ...while naive packing leaks
+    # pad runs see as many real tokens as packed runs: more steps
+    assert report["runs"]["rope"]["pad"]["0"]["steps"] > report["runs"]["rope"]["reference"]["0"]["steps"]
+    markdown = (study / "results.md").read_text()
+    assert markdown.count("\n| learned/") == 6 and markdown.count("\n| rope/") == 6 and "hardware:" in markdown
+    assert "| variant | val_doc_loss | Δ ref |" in markdown and markdown in result.stdout
+    for figure in ("val_loss.png", "loss_by_position.png", "offset_probe.png"):
+        assert (study / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = subprocess.run(
+        [sys.executable, "ablate.py", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0 and again.stdout.count("(finished before: skipped)") == 24
