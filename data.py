@@ -326,7 +326,6 @@ class Shards:
     meta: dict
     train: np.ndarray
     val: np.ndarray
-    path: Path
 
     @property
     def eot_id(self) -> int:
@@ -366,7 +365,7 @@ def load_shards(path: Path) -> Shards:
         if tokens[-1] != meta["eot_id"] or tokens.max(initial=0) >= meta["vocab_size"]:
             raise DataError(f"{bin_path} does not match its tokenizer (bad token ids); delete {path} to prepare again")
         arrays[split] = tokens
-    return Shards(meta=meta, train=arrays["train"], val=arrays["val"], path=Path(path))
+    return Shards(meta=meta, train=arrays["train"], val=arrays["val"])
 
 
 def load_tokenizer(path: Path) -> tiktoken.Encoding:

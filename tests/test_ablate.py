@@ -5,7 +5,28 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
+
+import ablate
+from train import ConfigError
+
+
+@pytest.mark.parametrize("name", ["ablate_cpu.toml", "ablate_gpu.toml"])
+def test_shipped_study_configs_parse(name):
+    settings, train_args = ablate.parse_args([str(ROOT / "configs" / name), "--seeds=5", "--max_iters=7"])
+    assert settings["seeds"] == 5 and "--max_iters=7" in train_args
+
+
+def test_bad_study_settings_are_one_clear_error(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("[ablate]\nseed = 3\n")
+    with pytest.raises(ConfigError, match="unknown \\[ablate\\] key"):
+        ablate.parse_args([str(config)])
+    with pytest.raises(ConfigError, match="seeds='x'"):
+        ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--seeds=x"])
+    with pytest.raises(ConfigError, match="unknown config key 'n_layers'"):
+        ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--n_layers=3"])
 
 
 def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_path):
