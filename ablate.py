@@ -16,13 +16,13 @@ too), val_loss.png, loss_by_position.png, offset_probe.png.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import data
 import train
 from data import IGNORE_INDEX
-from model import GPT, GPTConfig
+from model import GPT
 
 POSITION_KINDS = ("learned", "rope")
 VARIANTS = {  # name: the train.py settings it changes from the reference
@@ -55,14 +55,11 @@ def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
     """(ablate settings, train.py arguments) from a TOML file and --key=value overrides."""
     if not argv or argv[0].startswith("--"):
         raise train.ConfigError("usage: python ablate.py CONFIG.toml [--seeds=N] [--train_key=value ...]")
-    path = Path(argv[0])
-    try:
-        values = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise train.ConfigError(f"config file {path} not found") from None
-    except tomllib.TOMLDecodeError as e:
-        raise train.ConfigError(f"config file {path} does not parse: {e}") from None
-    settings = {**ABLATE_DEFAULTS, **values.pop("ablate", {})}
+    values = train.read_config_file(Path(argv[0]))
+    table = values.pop("ablate", {})
+    if not isinstance(table, dict):
+        raise train.ConfigError(f"[ablate] must be a table, got {table!r}")
+    settings = {**ABLATE_DEFAULTS, **table}
     unknown = set(settings) - set(ABLATE_DEFAULTS)
     if unknown:
         raise train.ConfigError(
@@ -71,27 +68,40 @@ def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
     train_args = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
     for arg in argv[1:]:
         key = arg[2:].split("=", 1)[0]
-        if key in ("seeds", "out_dir") and "=" in arg:
+        if key in ("seeds", "out_dir", "probe_docs") and "=" in arg:
             settings[key] = arg.split("=", 1)[1]
         else:
             train_args.append(arg)
-    try:
-        settings["seeds"] = int(settings["seeds"])
-    except ValueError:
-        raise train.ConfigError(f"seeds={settings['seeds']!r}: expected a number of seeds") from None
-    if settings["seeds"] < 1:
-        raise train.ConfigError("seeds must be at least 1")
+    check_settings(settings)
     train.parse_config(train_args)  # fails early, with train.py's messages, on a bad key or value
     return settings, train_args
 
 
+def check_settings(settings: dict) -> None:
+    """Each [ablate] value of the type it must have (numbers may come as text from the command line)."""
+
+    def whole(value) -> int | None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        return int(value) if isinstance(value, str) and value.strip().lstrip("-").isdigit() else None
+
+    for key, what in (("seeds", "a whole number of seeds"), ("probe_docs", "a whole number of documents")):
+        number = whole(settings[key])
+        if number is None:
+            raise train.ConfigError(f"{key}={settings[key]!r}: expected {what}")
+        if number < 1:
+            raise train.ConfigError(f"{key}={number}: must be at least 1")
+        settings[key] = number
+    offsets = settings["probe_offsets"]
+    if not isinstance(offsets, list) or not all(whole(k) is not None and whole(k) >= 1 for k in offsets):
+        raise train.ConfigError(f"probe_offsets={offsets!r}: expected a list of token counts, each at least 1")
+    if not isinstance(settings["out_dir"], str) or not settings["out_dir"].strip():
+        raise train.ConfigError(f"out_dir={settings['out_dir']!r}: expected a folder name")
+
+
 def pad_steps_factor(cfg: train.Config) -> float:
     """How many more steps a pad run needs to see as many real tokens as a packed run."""
-    shards = data.load_shards(
-        data.prepare(
-            cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.tokenizer_vocab_size, cfg.val_fraction, cfg.data_seed
-        )
-    )
+    shards = data.load_shards(train.prepare_data(cfg))
     _, n_real, _ = data.pad_rows(shards.train, shards.eot_id, cfg.seq_len)
     return cfg.seq_len / float(np.minimum(n_real, cfg.seq_len).mean())
 
@@ -109,6 +119,17 @@ def run_config(train_args: list[str], pos_emb: str, variant: str, seed: int, out
 
 # ----------------------------------------------------------------------------------------------
 # Probes: the same validation documents, placed in a row in different ways, under the run's own settings.
+
+
+def leading_stream(val: data.TokenStream, eot_id: int, n_docs: int, seq_len: int) -> np.ndarray:
+    """The start of the validation split, long enough for the probes: twice n_docs whole documents and
+    more (the documents, then filler and unrelated ones), read without scanning the whole split."""
+    n = (n_docs + 2) * seq_len
+    while True:
+        head = val[:n]
+        if n >= len(val) or (np.count_nonzero(head == eot_id) > 2 * n_docs + 2 and n >= 4 * (n_docs + 2) * seq_len):
+            return head
+        n *= 2
 
 
 def probe_documents(val: np.ndarray, eot_id: int, n_docs: int, window: int) -> tuple[list[np.ndarray], np.ndarray]:
@@ -161,13 +182,13 @@ def doc_loss_in_rows(
 
 def run_probes(out_dir: Path, cfg: train.Config, n_docs: int, offsets: list[int]) -> dict:
     device = train.resolve_device(cfg.device)
-    state = torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=False)
-    model = GPT(GPTConfig(**state["model_config"]))
-    model.load_state_dict(state["model"])
-    model.to(device).eval()
+    state = train.read_checkpoint(out_dir / "ckpt.pt")
+    model = train.trained_model(state, device)
     shards = data.load_shards(Path(state["shards"]))
     window = cfg.seq_len - max(offsets)
-    docs, filler = probe_documents(shards.val, shards.eot_id, n_docs, window)
+    docs, filler = probe_documents(
+        leading_stream(shards.val, shards.eot_id, n_docs, cfg.seq_len), shards.eot_id, n_docs, window
+    )
     offset_loss = {}
     for k in offsets:  # k tokens of other documents first, the last of them an EOT
         prefixes = [
@@ -188,11 +209,22 @@ def run_probes(out_dir: Path, cfg: train.Config, n_docs: int, offsets: list[int]
 def run_one(cfg: train.Config, settings: dict) -> dict:
     out = Path(cfg.out_dir)
     done = out / "result.json"
+    # what decides a run's result: the training settings a resume may not change, and the probes
+    decided_by = {
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in train.RESUMABLE_CHANGES},
+        "probes": {k: settings[k] for k in ("probe_docs", "probe_offsets")},
+    }
     if done.exists():
-        return json.loads(done.read_text())
+        result = json.loads(done.read_text())
+        if result.pop("decided_by", None) != decided_by:
+            raise train.ConfigError(
+                f"{done} was computed with other settings than this study's: give the study another out_dir, "
+                f"or delete {settings['out_dir']} to run it again"
+            )
+        return result
     cfg.resume = (out / "ckpt.pt").exists()  # a run interrupted earlier continues from its checkpoint
     train.train(cfg)
-    if torch.load(out / "ckpt.pt", map_location="cpu", weights_only=False)["step"] != cfg.max_iters:
+    if train.read_checkpoint(out / "ckpt.pt")["step"] != cfg.max_iters:
         raise StudyStopped(f"stopped during {out}; run the same command again to continue the study")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in records if "train_loss" in r]
@@ -208,7 +240,7 @@ def run_one(cfg: train.Config, settings: dict) -> dict:
         **run_probes(out, cfg, settings["probe_docs"], settings["probe_offsets"]),
     }
     tmp = done.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
+    tmp.write_text(json.dumps({**result, "decided_by": decided_by}))
     os.replace(tmp, done)  # a run counts as finished only once its probes are written
     return result
 
@@ -379,8 +411,12 @@ def main(argv: list[str]) -> int:
         settings["probe_offsets"] = offsets
         if max(offsets) >= base.seq_len - 1:
             raise train.ConfigError(f"probe_offsets must be below seq_len - 1 = {base.seq_len - 1}")
-        pad_factor = pad_steps_factor(base)
         out = Path(settings["out_dir"])
+        try:  # before any work: the study ends by writing its report here
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise train.ConfigError(f"out_dir {out} cannot be a folder ({e.strerror})") from None
+        pad_factor = pad_steps_factor(base)
         grid = [
             (pos, variant, seed) for pos in POSITION_KINDS for variant in VARIANTS for seed in range(settings["seeds"])
         ]
@@ -406,7 +442,7 @@ def main(argv: list[str]) -> int:
     except StudyStopped as e:
         print(e)
         return 0
-    except (train.ConfigError, data.DataError, train.TrainingDiverged) as e:
+    except (train.ConfigError, data.DataError, train.TrainingDiverged, train.SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     summary = summarise(runs, offsets)

@@ -22,7 +22,6 @@ T(T+1)/2 against the sum over documents of l(l+1)/2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -35,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import data
+import train
 from model import GPT, GPTConfig, attend, document_causal_block_mask, document_causal_dense
 
 VARIANTS = ("flex_doc", "flex_causal", "sdpa_causal", "sdpa_doc", "varlen")
@@ -100,7 +100,7 @@ def doc_ids_for_layout(layout: str, batch_size: int, seq_len: int, doc_len: int,
 
 @lru_cache(maxsize=1)
 def _corpus_documents() -> list[str]:
-    return data.load_stdlib(split_definitions=True)[0]
+    return list(data.stdlib_documents(split_definitions=True))
 
 
 def ideal_speedup(doc_ids: torch.Tensor) -> float:
@@ -203,7 +203,7 @@ def bench_attention(variant: str, config: GPTConfig, doc_ids, device, steps, war
 
 def main(argv: list[str]) -> int:
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = train.ArgumentParser(description=__doc__)
     parser.add_argument(
         "--seq_lens", default="1024,4096,8192" if cuda else "256", help="comma-separated sequence lengths"
     )
@@ -226,26 +226,31 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--warmup", type=int, default=5 if cuda else 1, help="untimed steps first (compilation)")
     parser.add_argument("--out", default="bench.json", help="where the JSON results are written")
     args = parser.parse_args(argv)
-    variants = args.variants.split(",")
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        print(f"error: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
-        return 1
+    variants, layouts = args.variants.split(","), args.layouts.split(",")
+    for name, chosen, valid in (("variants", variants, VARIANTS), ("layouts", layouts, ("real", "synthetic"))):
+        if unknown := sorted(set(chosen) - set(valid)):
+            parser.error(f"--{name}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(valid)}")
     try:
         seq_lens = [int(s) for s in args.seq_lens.split(",")]
     except ValueError:
-        print(f"error: --seq_lens={args.seq_lens!r}: give comma-separated integers", file=sys.stderr)
-        return 1
+        parser.error(f"--seq_lens={args.seq_lens!r}: give comma-separated integers")
+    for name, value, minimum in [
+        ("seq_lens", min(seq_lens), 2),
+        *((k, getattr(args, k), 1) for k in ("tokens", "n_layer", "n_head", "n_embd", "doc_len", "steps")),
+        ("vocab_size", args.vocab_size, 2),
+        ("warmup", args.warmup, 0),
+    ]:
+        if value < minimum:
+            parser.error(f"--{name}: {value} is below {minimum}")
+    if args.n_embd % args.n_head or (args.n_embd // args.n_head) % 2:
+        parser.error(f"--n_embd={args.n_embd} must split into --n_head={args.n_head} heads of even size")
+    out = Path(args.out)
+    if out.is_dir() or not out.parent.is_dir():
+        parser.error(f"--out={out} is a folder" if out.is_dir() else f"--out={out}: folder {out.parent} not found")
 
     device = torch.device("cuda" if cuda else "cpu")
-    peak, peak_dtype = peak_matmul_flops(device)
-    hardware = torch.cuda.get_device_name(device) if cuda else f"CPU ({torch.get_num_threads()} threads)"
-    print(
-        f"device: {hardware}, torch {torch.__version__}, measured peak {peak / 1e12:.2f} TFLOP/s ({peak_dtype} matmul)"
-    )
-    results = []
-    for seq_len in seq_lens:
-        config = GPTConfig(
+    configs = [
+        GPTConfig(
             vocab_size=args.vocab_size,
             seq_len=seq_len,
             n_layer=args.n_layer,
@@ -253,8 +258,24 @@ def main(argv: list[str]) -> int:
             n_embd=args.n_embd,
             pos_emb="rope",
         )
+        for seq_len in seq_lens
+    ]
+    try:
+        for config in configs:
+            train.check_fits(config, max(1, args.tokens // config.seq_len), device)
+    except train.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    peak, peak_dtype = peak_matmul_flops(device)
+    hardware = torch.cuda.get_device_name(device) if cuda else f"CPU ({torch.get_num_threads()} threads)"
+    print(
+        f"device: {hardware}, torch {torch.__version__}, measured peak {peak / 1e12:.2f} TFLOP/s ({peak_dtype} matmul)"
+    )
+    results = []
+    for config in configs:
+        seq_len = config.seq_len
         batch_size = max(1, args.tokens // seq_len)
-        for layout in args.layouts.split(","):
+        for layout in layouts:
             doc_ids = doc_ids_for_layout(layout, batch_size, seq_len, args.doc_len, seed=seq_len).to(device)
             docs_per_row = float((doc_ids[:, -1] + 1).float().mean())
             for variant in variants:

@@ -1,5 +1,7 @@
 """Corpora -> tokenizer -> token shards -> packed training batches.
 
+    python data.py corpus/ [--tokenizer=gpt2] [--key=value ...]   # prepare only (train.py's data keys)
+
 All packing semantics live in this file, in `make_batch` and the three small functions it calls.
 They follow Megatron-LM's flags (see README, "The three flags"):
 
@@ -11,20 +13,38 @@ They follow Megatron-LM's flags (see README, "The three flags"):
     loss     the target predicted *from* an EOT input is ignored (it is the next document's first token)
 
 The document mask itself is applied in model.py; this file only produces the document ids it needs.
+
+Preparation streams the corpus, so its memory does not grow with the corpus: documents are read file by
+file, each is hashed (with data_seed), and the hash decides its split, its place in the shuffled
+stream and whether it duplicates another. Encoding runs on every core, into temporary buckets keyed
+by the hash; each bucket is then sorted and appended to numbered shards of at most `SHARD_TOKENS`.
 """
 
 from __future__ import annotations
 
 import ast
 import base64
+import codecs
+import fcntl
+import glob
+import gzip
 import hashlib
+import heapq
+import io
 import json
+import math
 import os
-import random
 import shutil
+import sys
 import sysconfig
 import time
+import zlib
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +58,12 @@ SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
 BUILTIN_DATASETS = ("stdlib", "stdlib-files")
-SHARD_FORMAT_VERSION = 1
+SHARD_FORMAT_VERSION = 2
+SHARD_TOKENS = 100_000_000  # tokens per shard file at most (200 MB of uint16)
+DATASET_HELP = (
+    f"give one of {', '.join(BUILTIN_DATASETS)}, a directory of text files, a .jsonl file with a 'text' field, "
+    "a text file separated by <|endoftext|>, a .parquet, .jsonl.gz or .jsonl.zst file, or a glob of such files"
+)
 
 
 class DataError(Exception):
@@ -46,20 +71,92 @@ class DataError(Exception):
 
 
 # ----------------------------------------------------------------------------------------------
-# Corpora: each loader returns (documents, skipped) where skipped counts what was left out and why.
+# Corpora. A dataset setting names a Source: its files and how each is read. Documents are then
+# streamed from it, with counts of what was skipped and why.
+
+
+@dataclass(frozen=True)
+class Source:
+    label: str  # a readable name for the shard folder
+    identity: str  # the dataset, however its path was spelled: staleness reports compare it
+    root: Path  # file paths in the fingerprint are relative to it
+    files: tuple[Path, ...]
+    builtin: str | None = None  # "stdlib" (top-level definitions) or "stdlib-files" (whole modules)
+    single_file: bool = False  # a lone text file is split on <|endoftext|>; in a folder it is one document
+
+
+def file_kind(path: Path) -> str:
+    """'parquet' and 'jsonl' files hold many documents; any other file is text."""
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst")):
+        return "jsonl"
+    return "text"
 
 
 def _stdlib_modules() -> list[Path]:
     """Non-test modules of the running interpreter's standard library, in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    test_dirs = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+    skip_dirs = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
     modules = []
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root).parts
-        if test_dirs.intersection(parts) or parts[-1].startswith("test_"):
-            continue
-        modules.append(path)
-    return modules
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip_dirs]
+        modules += [Path(folder, n) for n in names if n.endswith(".py") and not n.startswith("test_")]
+    return sorted(modules)
+
+
+def _files_below(root: Path, exclude: tuple[Path, ...]) -> list[Path]:
+    """Regular files below root in a fixed order, skipping hidden files and folders and `exclude`
+    (the run's own data_dir and out_dir, when the corpus folder holds them)."""
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and Path(folder, d).resolve() not in exclude)
+        files += [Path(folder, n) for n in sorted(names) if not n.startswith(".") and Path(folder, n).is_file()]
+    return files
+
+
+def _glob_root(pattern: str) -> Path:
+    """The folder above a glob's first wildcard: paths of its matches are relative to it."""
+    parts = Path(pattern).parts
+    fixed = [p for p in parts[: next(i for i, p in enumerate(parts) if glob.has_magic(p))]]
+    return Path(*fixed) if fixed else Path(".")
+
+
+def _label(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text).strip("._") or "corpus"
+
+
+def resolve_dataset(dataset: str, exclude: tuple[Path, ...] = ()) -> Source:
+    """The files a dataset setting names. Raises DataError for a dataset that is empty, missing, or of a
+    kind that cannot be read."""
+    if not dataset.strip():
+        raise DataError(f"dataset is empty: {DATASET_HELP}")
+    if dataset in BUILTIN_DATASETS:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return Source(dataset, dataset, root, tuple(_stdlib_modules()), builtin=dataset)
+    exclude = tuple(Path(p).resolve() for p in exclude)
+    path = Path(dataset).expanduser()
+    if path.is_dir():
+        root = path.resolve()
+        return Source(_label(root.name), str(root), root, tuple(_files_below(root, exclude)))
+    if path.is_file():
+        name = path.name.lower()
+        if name.endswith(".json"):
+            raise DataError(f"{path}: a .json file is not a corpus; give JSON Lines (.jsonl), one document per line")
+        if file_kind(path) == "text" and name.endswith((".gz", ".zst", ".bz2", ".xz", ".zip")):
+            raise DataError(f"{path}: of compressed files only .jsonl.gz and .jsonl.zst are read")
+        resolved = path.resolve()
+        return Source(_label(resolved.name), str(resolved), resolved.parent, (resolved,), single_file=True)
+    if glob.has_magic(dataset):
+        matches = sorted(Path(p).resolve() for p in glob.glob(os.path.expanduser(dataset), recursive=True))
+        files = tuple(p for p in matches if p.is_file() and not any(p.is_relative_to(e) for e in exclude))
+        if not files:
+            raise DataError(f"dataset {dataset!r} matches no files")
+        root = _glob_root(os.path.expanduser(dataset)).resolve()
+        identity = str(root / Path(dataset).relative_to(_glob_root(dataset)))
+        return Source(_label(root.name), identity, root, files)
+    raise DataError(f"dataset {dataset!r} not found: {DATASET_HELP}")
 
 
 def _top_level_definitions(source: str) -> list[str]:
@@ -73,8 +170,18 @@ def _top_level_definitions(source: str) -> list[str]:
     return pieces
 
 
-def load_stdlib(split_definitions: bool) -> tuple[list[str], dict[str, int]]:
-    docs, skipped = [], {"not_utf8": 0, "syntax_error": 0}
+def stdlib_documents(split_definitions: bool, skipped: Counter | None = None) -> Iterator[str]:
+    """The built-in corpus: modules of the standard library, whole or as their top-level definitions."""
+    documents, skips = _stdlib_documents(split_definitions)
+    if skipped is not None:
+        skipped.update(skips)
+    return iter(documents)
+
+
+@lru_cache(maxsize=2)
+def _stdlib_documents(split_definitions: bool) -> tuple[tuple[str, ...], Counter]:
+    """Cached: parsing the modules takes seconds and preparation reads the corpus twice."""
+    documents, skipped = [], Counter()
     for path in _stdlib_modules():
         try:
             source = path.read_text(encoding="utf-8")
@@ -82,86 +189,192 @@ def load_stdlib(split_definitions: bool) -> tuple[list[str], dict[str, int]]:
             skipped["not_utf8"] += 1
             continue
         if not split_definitions:
-            docs.append(source)
+            documents.append(source)
             continue
         try:
-            docs.extend(_top_level_definitions(source))
+            documents += _top_level_definitions(source)
         except SyntaxError:
             skipped["syntax_error"] += 1
-    return docs, skipped
+    return tuple(documents), skipped
 
 
-def load_directory(root: Path) -> tuple[list[str], dict[str, int]]:
-    """One document per regular file below `root` (hidden files and folders skipped)."""
-    docs, skipped = [], {"not_utf8": 0}
-    for path in sorted(root.rglob("*")):
-        if not path.is_file() or any(p.startswith(".") for p in path.relative_to(root).parts):
-            continue
+def _jsonl_documents(path: Path, text_field: str, on_bytes: Callable[[int], None]) -> Iterator[str]:
+    """One document per line, from the line's text field; .gz and .zst are decompressed as they stream."""
+    name = path.name.lower()
+    damaged: tuple[type[Exception], ...] = (OSError, EOFError, zlib.error)  # how gzip reports a bad file
+    with open(path, "rb") as raw:
+        if name.endswith(".gz"):
+            lines = gzip.GzipFile(fileobj=raw)
+        elif name.endswith(".zst"):
+            import zstandard  # only needed here
+
+            lines = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+            damaged += (zstandard.ZstdError,)
+        else:
+            lines = raw
+        position = 0
         try:
-            docs.append(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError:
-            skipped["not_utf8"] += 1
-    return docs, skipped
+            for line_no, line in enumerate(lines, 1):
+                if raw.tell() != position:
+                    on_bytes(raw.tell() - position)
+                    position = raw.tell()
+                if line_no == 1 and line.startswith(codecs.BOM_UTF8):
+                    line = line[len(codecs.BOM_UTF8) :]
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line.decode("utf-8"))
+                    text = record[text_field]
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{line_no}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise DataError(f'{path}:{line_no}: expected a JSON object with a "{text_field}" field') from None
+                if not isinstance(text, str):
+                    raise DataError(f'{path}:{line_no}: "{text_field}" must be a string, got {type(text).__name__}')
+                yield text
+        except damaged as e:
+            raise DataError(f"{path} cannot be read to the end ({type(e).__name__}: {e})") from None
 
 
-def load_jsonl(path: Path) -> tuple[list[str], dict[str, int]]:
-    """One document per line, from the line's "text" field."""
-    docs = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
+def _parquet_documents(path: Path, text_field: str, skipped: Counter, on_bytes: Callable[[int], None]) -> Iterator[str]:
+    """One document per row of the text column, read in batches so a row group is never held as
+    Python strings all at once."""
+    import pyarrow as pa  # only needed here
+    import pyarrow.parquet as pq
+
+    try:
+        # pre-buffering (pyarrow's default) keeps what it read: memory grew with the file (measured)
+        parquet = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path} is not a readable parquet file ({e})") from None
+    schema = parquet.schema_arrow
+    if text_field not in schema.names:
+        raise DataError(f"{path} has no column {text_field!r} (columns: {', '.join(schema.names)}); set --text_field=")
+    column_type = schema.field(text_field).type
+    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+        raise DataError(f"{path}: column {text_field!r} must hold strings, not {column_type}")
+    total_rows, rows, reported = max(1, parquet.metadata.num_rows), 0, 0
+    size = path.stat().st_size
+    try:
+        for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
+            for text in batch.column(0).to_pylist():
+                if text is None:
+                    skipped["null"] += 1
+                else:
+                    yield text
+            rows += batch.num_rows
+            now = size * rows // total_rows
+            on_bytes(now - reported)
+            reported = now
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path} cannot be read to the end ({e})") from None
+
+
+def _separated_documents(path: Path, on_bytes: Callable[[int], None]) -> Iterator[str]:
+    """A text file whose documents are separated by the literal text <|endoftext|>, read in chunks."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    pending, offset = "", 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 23)
+            try:
+                pending += decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {offset + e.start})") from None
+            offset += len(chunk)
+            on_bytes(len(chunk))
+            *documents, pending = pending.split(EOT_TEXT)
+            yield from documents
+            if not chunk:
+                break
+    yield pending
+
+
+def _file_document(path: Path, skipped: Counter, on_bytes: Callable[[int], None]) -> Iterator[str]:
+    """A file in a corpus folder: one document, or nothing (counted) if it is not readable UTF-8 text."""
+    try:
+        content = path.read_bytes()
+    except OSError:
+        skipped["unreadable"] += 1
+        return
+    on_bytes(len(content))
+    try:
+        yield content.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError:
+        skipped["not_utf8"] += 1
+
+
+def read_documents(
+    source: Source,
+    text_field: str = "text",
+    skipped: Counter | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> Iterator[str]:
+    """Every non-empty document of a source, in file order. `skipped` counts what was left out and why;
+    `on_bytes(n)` is told of the bytes read, for progress."""
+    skipped = Counter() if skipped is None else skipped
+    on_bytes = on_bytes or (lambda n: None)
+
+    def documents() -> Iterator[str]:
+        if source.builtin:
+            yield from stdlib_documents(source.builtin == "stdlib", skipped)
+            on_bytes(sum(p.stat().st_size for p in source.files))
+            return
+        for path in source.files:
+            kind = file_kind(path)
+            if kind == "text" and not source.single_file:
+                yield from _file_document(path, skipped, on_bytes)  # skipped and counted if unreadable
                 continue
             try:
-                record = json.loads(line)
-                text = record["text"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DataError(f'{path}:{line_no}: expected a JSON object with a "text" field') from None
-            if not isinstance(text, str):
-                raise DataError(f'{path}:{line_no}: "text" must be a string, got {type(text).__name__}')
-            docs.append(text)
-    return docs, {}
+                if kind == "parquet":
+                    yield from _parquet_documents(path, text_field, skipped, on_bytes)
+                elif kind == "jsonl":
+                    yield from _jsonl_documents(path, text_field, on_bytes)
+                else:
+                    yield from _separated_documents(path, on_bytes)
+            except OSError as e:
+                raise DataError(f"{path} cannot be read ({e.strerror or e})") from None
+
+    for doc in documents():
+        if doc.strip():
+            yield doc
+        else:
+            skipped["empty"] += 1
 
 
-def load_separated_text(path: Path) -> tuple[list[str], dict[str, int]]:
-    """A text file whose documents are separated by the literal text <|endoftext|>."""
-    return path.read_text(encoding="utf-8").split(EOT_TEXT), {}
-
-
-def load_documents(dataset: str) -> tuple[list[str], dict[str, int]]:
-    """Documents of a built-in corpus or a user path, with counts of what was skipped."""
-    if dataset == "stdlib":
-        docs, skipped = load_stdlib(split_definitions=True)
-    elif dataset == "stdlib-files":
-        docs, skipped = load_stdlib(split_definitions=False)
-    else:
-        path = Path(dataset)
-        if not path.exists():
-            raise DataError(
-                f"dataset {dataset!r} not found: give one of {', '.join(BUILTIN_DATASETS)}, a directory of "
-                "text files, a .jsonl file with a 'text' field, or a text file separated by <|endoftext|>"
-            )
+def fingerprint(source: Source) -> list[list]:
+    """Per input file: path (relative to the source root), size, modification time and a hash of its
+    first and last MiB (the whole file when smaller). A changed file changes the fingerprint."""
+    block = 1 << 20
+    prints = []
+    for path in source.files:
+        relative = path.relative_to(source.root) if path.is_relative_to(source.root) else path
         try:
-            if path.is_dir():
-                docs, skipped = load_directory(path)
-            elif path.suffix == ".jsonl":
-                docs, skipped = load_jsonl(path)
-            else:
-                docs, skipped = load_separated_text(path)
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    non_empty = [d for d in docs if d.strip()]
-    skipped["empty"] = len(docs) - len(non_empty)
-    return non_empty, skipped
+            stat = path.stat()
+            digest = hashlib.blake2b(digest_size=16)
+            with open(path, "rb") as f:
+                digest.update(f.read(block))
+                if stat.st_size > 2 * block:
+                    f.seek(-block, os.SEEK_END)
+                digest.update(f.read(block))
+            prints.append([str(relative), stat.st_size, stat.st_mtime_ns, digest.hexdigest()])
+        except OSError as e:  # reading it will skip it (in a folder) or say why (alone)
+            prints.append([str(relative), -1, 0, f"unreadable: {e.strerror}"])
+    return prints
 
 
-def deduplicate_and_split(docs: list[str], val_fraction: float, seed: int) -> tuple[list[str], list[str], int]:
-    """Drop exact duplicates, shuffle with a fixed seed, split by document. Returns (train, val, n_dups)."""
-    unique = list(dict.fromkeys(docs))
-    random.Random(seed).shuffle(unique)
-    n_val = max(1, round(len(unique) * val_fraction))
-    if len(unique) - n_val < 1:
-        raise DataError(f"only {len(unique)} distinct non-empty documents: need at least 2 (train and val)")
-    return unique[n_val:], unique[:n_val], len(docs) - len(unique)
+def _describe_changes(old: list[list], new: list[list]) -> str:
+    old_by_path, new_by_path = {p[0]: p for p in old}, {p[0]: p for p in new}
+    added = sorted(new_by_path.keys() - old_by_path.keys())
+    removed = sorted(old_by_path.keys() - new_by_path.keys())
+    changed = sorted(p for p in new_by_path.keys() & old_by_path.keys() if new_by_path[p] != old_by_path[p])
+    if not added and not removed and len(changed) == 1:
+        (path,) = changed
+        before, after = old_by_path[path], new_by_path[path]
+        what = f"{before[1]:,} -> {after[1]:,} bytes" if before[1] != after[1] else "modified"
+        return f"{path}: {what}"
+    counts = [(len(added), "added"), (len(removed), "removed"), (len(changed), "changed")]
+    return ", ".join(f"{n} file{'s' * (n != 1)} {what}" for n, what in counts if n)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,30 +399,45 @@ def train_bpe(docs: list[str], vocab_size: int) -> tiktoken.Encoding:
 
 
 def read_tiktoken_file(path: Path, pattern: str = SPLIT_PATTERN) -> tiktoken.Encoding:
-    ranks = {}
-    for line_no, line in enumerate(path.read_bytes().splitlines(), 1):
+    """A .tiktoken file: one 'base64-token rank' per line, ranks 0..n-1 once each, every byte a token."""
+    ranks: dict[bytes, int] = {}
+    try:
+        content = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"tokenizer file {path} cannot be read ({e.strerror})") from None
+    for line_no, line in enumerate(content.splitlines(), 1):
         if not line:
             continue
         try:
             token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
+            token, rank = base64.b64decode(token, validate=True), int(rank)
         except ValueError:
             raise DataError(f"{path}:{line_no}: not a .tiktoken file (expected 'base64-token rank')") from None
+        if token in ranks:
+            raise DataError(f"{path}:{line_no}: token {token!r} appears twice")
+        ranks[token] = rank
     if not ranks:
         raise DataError(f"{path} holds no tokens")
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise DataError(f"{path}: ranks must be 0..{len(ranks) - 1}, each once (found duplicates, gaps or negatives)")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise DataError(
+            f"{path}: {len(missing)} single bytes are not tokens (e.g. {bytes(missing[:1])!r}); "
+            "a byte-level BPE needs all 256"
+        )
     return _encoding_from_ranks(ranks, pattern, path.stem)
 
 
 def write_tiktoken_file(enc: tiktoken.Encoding, path: Path) -> None:
     ranks = enc._mergeable_ranks  # tiktoken exposes no public accessor for the ranks
-    lines = [base64.b64encode(token) + b" " + str(rank).encode() for token, rank in ranks.items()]
-    path.write_bytes(b"\n".join(lines) + b"\n")
+    path.write_bytes(
+        b"".join(base64.b64encode(token) + b" " + str(rank).encode() + b"\n" for token, rank in ranks.items())
+    )
 
 
-def make_tokenizer(tokenizer: str, vocab_size: int, train_docs: list[str]) -> tiktoken.Encoding:
-    """'bpe' trains one on the training documents; a .tiktoken path or a tiktoken encoding name loads one."""
-    if tokenizer == "bpe":
-        return train_bpe(train_docs, vocab_size)
+def load_named_tokenizer(tokenizer: str) -> tiktoken.Encoding:
+    """A .tiktoken path or a tiktoken encoding name."""
     if tokenizer.endswith(".tiktoken"):
         if not Path(tokenizer).is_file():
             raise DataError(f"tokenizer file {tokenizer} not found")
@@ -236,96 +464,501 @@ def make_tokenizer(tokenizer: str, vocab_size: int, train_docs: list[str]) -> ti
     )
 
 
+def encoding_from_file_bytes(content: bytes, pattern: str, name: str) -> tiktoken.Encoding:
+    """The tokenizer of a checkpoint, which keeps the .tiktoken file's bytes (see train.py)."""
+    ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in content.splitlines())}
+    return _encoding_from_ranks(ranks, pattern, name)
+
+
 # ----------------------------------------------------------------------------------------------
-# Shards: <dir>/{train,val}.bin (flat tokens), tokenizer.tiktoken, meta.json.
+# Preparation: <data_dir>/<name>/{train,val}_NNNNNN.bin (flat tokens), tokenizer.tiktoken, meta.json,
+# inputs.json (the corpus fingerprint). The folder's name holds a hash of the settings and the
+# fingerprint, so a changed corpus gets a new folder and the same corpus under any spelling of its path
+# finds its old one.
 
 
-def encode_documents(enc: tiktoken.Encoding, docs: list[str]) -> np.ndarray:
-    """The token stream: each document encoded as ordinary text (a literal <|endoftext|> stays text),
-    followed by one EOT."""
-    dtype = np.uint16 if enc.n_vocab <= 2**16 else np.uint32
-    encoded = enc.encode_ordinary_batch(docs, num_threads=os.cpu_count() or 1)
-    lengths = np.fromiter((len(e) + 1 for e in encoded), dtype=np.int64, count=len(encoded))
-    stream = np.full(int(lengths.sum()), enc.eot_token, dtype=dtype)
-    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    for offset, ids in zip(offsets, encoded):
-        stream[offset : offset + len(ids)] = ids
-    return stream
+class Progress:
+    """One status line of a long phase: rewritten in place on a terminal, printed every `every` seconds
+    otherwise (logs). Rates and ETA from the bytes read of the total."""
+
+    def __init__(self, phase: str, total_bytes: int, log: Callable, every: float = 30.0) -> None:
+        self.phase, self.total, self.log = phase, max(1, total_bytes), log
+        self.tty = log is print and sys.stdout.isatty()
+        self.every = 0.5 if self.tty else every
+        self.start = self.last = time.time()
+        self.bytes = self.documents = self.tokens = 0
+
+    def update(self, n_bytes: int = 0, documents: int = 0, tokens: int = 0) -> None:
+        self.bytes += n_bytes
+        self.documents += documents
+        self.tokens += tokens
+        if time.time() - self.last >= self.every:
+            self._show()
+
+    def _show(self, end: str = "") -> None:
+        self.last = now = time.time()
+        elapsed = max(now - self.start, 1e-9)
+        fraction = min(1.0, self.bytes / self.total)
+        eta = elapsed / fraction * (1 - fraction) if fraction > 0 else float("nan")
+        line = (
+            f"data: {self.phase} {fraction:6.1%} | {self.bytes / 1e9:.2f} of {self.total / 1e9:.2f} GB | "
+            f"{self.documents / elapsed:,.0f} docs/s"
+            + (f" | {self.tokens / elapsed / 1e6:.2f}M tok/s" if self.tokens else "")
+            + (f" | ETA {_duration(eta)}" if math.isfinite(eta) else "")
+        )
+        if self.tty:
+            print(f"\r{line}\033[K", end=end, flush=True)
+        else:
+            self.log(line)
+
+    def close(self) -> None:
+        if self.tty and self.last > self.start:
+            print("\r\033[K", end="", flush=True)
 
 
-def shard_dir_for(data_dir: str, dataset: str, tokenizer: str, vocab_size: int, val_fraction: float, seed: int) -> Path:
-    """Readable, and unique to the settings that decide the shards' content."""
-    settings = json.dumps([dataset, tokenizer, vocab_size, val_fraction, seed, SHARD_FORMAT_VERSION])
-    stem = Path(dataset).name if dataset not in BUILTIN_DATASETS else dataset
-    tok = f"bpe{vocab_size}" if tokenizer == "bpe" else Path(tokenizer).stem
-    return Path(data_dir) / f"{stem}-{tok}-{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
+
+
+@contextmanager
+def exclusive_lock(path: Path, on_busy: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on `path` for the with-block; the OS drops it if the process dies. If another
+    process holds it: call on_busy(its pid) and wait, or without on_busy raise BlockingIOError(its pid)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            if on_busy is None:
+                raise BlockingIOError(holder) from None
+            on_busy(holder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _document_key(text: str, seed: int) -> tuple[str, int, float]:
+    """(text fit for the tokenizer, order key, split draw). The key orders the shuffled stream and finds
+    duplicates; the draw in [0, 1) puts the document in val when below val_fraction. Both depend only on
+    the text and the seed, so appending documents never moves an existing one to the other split."""
+    try:
+        raw = text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates (possible in JSON): replaced, as tiktoken's encode does
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+        raw = text.encode("utf-8")
+    digest = hashlib.blake2b(raw, digest_size=16, key=seed.to_bytes(8, "little")).digest()
+    return text, int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little") / 2**64
+
+
+@dataclass(frozen=True)
+class PrepareSettings:
+    """Everything besides the corpus that decides the shards' content."""
+
+    tokenizer: str = "bpe"
+    vocab_size: int = 8192
+    val_fraction: float = 0.05
+    seed: int = 1337
+    text_field: str = "text"
+    tokenizer_train_mb: int = 100
+
+    def key(self) -> dict:
+        key = {"val_fraction": self.val_fraction, "seed": self.seed, "text_field": self.text_field}
+        if self.tokenizer == "bpe":
+            key.update(tokenizer="bpe", vocab_size=self.vocab_size, tokenizer_train_mb=self.tokenizer_train_mb)
+        elif self.tokenizer.endswith(".tiktoken") and Path(self.tokenizer).is_file():
+            key.update(tokenizer=hashlib.sha256(Path(self.tokenizer).read_bytes()).hexdigest())
+        else:
+            key.update(tokenizer=self.tokenizer)
+        return key
+
+
+def is_prepared_folder(dataset: str) -> bool:
+    """A folder written by `prepare` can itself be given as the dataset (e.g. after copying data/)."""
+    return (
+        bool(dataset.strip()) and (Path(dataset) / "meta.json").is_file() and (Path(dataset) / "inputs.json").is_file()
+    )
+
+
+def shard_dir_for(data_dir: str, source: Source, settings: PrepareSettings, inputs: list[list]) -> Path:
+    """Readable, and unique to the corpus content and the settings that decide the shards."""
+    key = json.dumps([settings.key(), source.builtin, source.single_file, inputs, SHARD_FORMAT_VERSION])
+    tok = f"bpe{settings.vocab_size}" if settings.tokenizer == "bpe" else _label(Path(settings.tokenizer).stem)
+    return Path(data_dir) / f"{source.label}-{tok}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
+def _check_writable_folder(folder: Path, what: str) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise DataError(f"{what} {folder} is not a writable folder ({e.strerror})") from None
 
 
 def prepare(
     dataset: str,
     data_dir: str,
-    tokenizer: str = "bpe",
-    vocab_size: int = 8192,
-    val_fraction: float = 0.05,
-    seed: int = 1337,
-    log=print,
+    settings: PrepareSettings = PrepareSettings(),
+    exclude: tuple[Path, ...] = (),
+    log: Callable = print,
 ) -> Path:
-    """Prepare shards unless already there. Writes to a temporary folder and renames it when complete,
-    so an interrupted preparation never leaves shards that look valid."""
-    out = shard_dir_for(data_dir, dataset, tokenizer, vocab_size, val_fraction, seed)
+    """Prepare shards unless they exist for this corpus content and these settings; returns their folder.
+
+    Safe to run from several processes at once (they share one preparation) and to interrupt (the
+    shards are written to a temporary folder that is renamed when complete). `exclude`: folders not to
+    read when the dataset is a folder holding them (the run's own outputs)."""
+    if is_prepared_folder(dataset):
+        return Path(dataset)
+    source = resolve_dataset(dataset, exclude)
+    inputs = fingerprint(source)
+    out = shard_dir_for(data_dir, source, settings, inputs)
     if (out / "meta.json").exists():
         return out
-    t0 = time.time()
-    docs, skipped = load_documents(dataset)
-    if not docs:
-        raise DataError(f"dataset {dataset!r} holds no non-empty documents")
-    train_docs, val_docs, n_dups = deduplicate_and_split(docs, val_fraction, seed)
-    skipped["duplicate"] = n_dups
-    skipped_text = ", ".join(f"{n} {why}" for why, n in skipped.items() if n) or "none"
-    log(f"data: {len(train_docs):,} train and {len(val_docs):,} val documents from {dataset} (skipped: {skipped_text})")
-    enc = make_tokenizer(tokenizer, vocab_size, train_docs)
-    log(f"data: tokenizer {enc.name}, vocabulary {enc.n_vocab:,} with EOT = {enc.eot_token} ({time.time() - t0:.1f}s)")
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        write_tiktoken_file(enc, tmp / "tokenizer.tiktoken")
-        meta = {
-            "format_version": SHARD_FORMAT_VERSION,
-            "dataset": dataset,
-            "tokenizer": tokenizer,
-            "tokenizer_name": enc.name,
-            "pattern": enc._pat_str,
-            "tokenizer_sha256": hashlib.sha256((tmp / "tokenizer.tiktoken").read_bytes()).hexdigest(),
-            "vocab_size": enc.n_vocab,
-            "eot_id": enc.eot_token,
-            "val_fraction": val_fraction,
-            "seed": seed,
-            "skipped": skipped,
-            "splits": {},
-        }
-        for split, split_docs in (("train", train_docs), ("val", val_docs)):
-            stream = encode_documents(enc, split_docs)
-            stream.tofile(tmp / f"{split}.bin")
-            meta["dtype"] = stream.dtype.name
-            meta["splits"][split] = {"documents": len(split_docs), "tokens": int(stream.size)}
-            log(f"data: {split}: {len(split_docs):,} documents, {stream.size:,} tokens")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, out)  # atomic: the folder appears only when complete
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log(f"data: wrote {out} in {time.time() - t0:.1f}s")
+    _check_writable_folder(Path(data_dir), "data_dir")
+    on_busy = lambda pid: log(f"data: waiting for process {pid}, which is preparing {out}")  # noqa: E731
+    with exclusive_lock(Path(data_dir) / f".{out.name}.lock", on_busy):
+        if (out / "meta.json").exists():  # prepared by the process we waited for
+            return out
+        _report_stale(Path(data_dir), source, settings, inputs, log)
+        for stale in Path(data_dir).glob(f".{out.name}.tmp-*"):  # left by an interrupted preparation
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(data_dir) / f".{out.name}.tmp-{os.getpid()}"
+        tmp.mkdir()
+        try:
+            _prepare_into(tmp, dataset, source, settings, inputs, log)
+            os.replace(tmp, out)  # atomic: the folder appears only when complete
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    log(f"data: wrote {out}")
     return out
+
+
+def _report_stale(data_dir: Path, source: Source, settings: PrepareSettings, inputs: list[list], log) -> None:
+    """One line when this dataset was prepared before with other content: what changed."""
+    earlier = []
+    for meta_path in data_dir.glob("*/meta.json"):
+        try:
+            meta = json.loads(meta_path.read_text())
+            if meta.get("source") == source.identity and meta.get("settings") == settings.key():
+                earlier.append((meta.get("prepared_at", 0), meta_path.parent))
+        except (OSError, ValueError):
+            continue
+    if earlier:
+        folder = max(earlier)[1]
+        old_inputs = json.loads((folder / "inputs.json").read_text())
+        log(
+            f"data: {source.identity} changed since {folder} was prepared ({_describe_changes(old_inputs, inputs)}): "
+            f"preparing again (the old shards stay there; delete them to free the space)"
+        )
+
+
+def _prepare_into(out: Path, dataset: str, source: Source, settings: PrepareSettings, inputs: list[list], log) -> None:
+    seconds = {"start": time.time()}
+    total_bytes = sum(p[1] for p in inputs)
+    if settings.tokenizer == "bpe":
+        sample = _tokenizer_sample(source, settings, total_bytes, log)
+        if not sample:
+            raise DataError(
+                f"dataset {dataset!r} holds no non-empty documents"
+                if not any(True for _ in read_documents(source, settings.text_field))
+                else f"val_fraction={settings.val_fraction} leaves no training documents to train the tokenizer on"
+            )
+        enc = train_bpe(sample, settings.vocab_size)
+        trained_on = {"documents": len(sample), "characters": sum(map(len, sample))}
+        log(
+            f"data: trained tokenizer {enc.name} on {trained_on['documents']:,} documents "
+            f"({trained_on['characters'] / 1e6:.1f}M characters) in {time.time() - seconds['start']:.1f}s"
+        )
+        del sample
+    else:
+        enc, trained_on = load_named_tokenizer(settings.tokenizer), None
+    write_tiktoken_file(enc, out / "tokenizer.tiktoken")
+    dtype = np.dtype(np.uint16 if enc.n_vocab <= 2**16 else np.uint32)
+    skipped: Counter = Counter()
+    seconds["tokenizer"] = time.time() - seconds["start"]
+    n_buckets = _encode_into_buckets(out / "buckets", source, settings, enc, dtype, total_bytes, skipped, log)
+    seconds["encoding"] = time.time() - seconds["start"] - seconds["tokenizer"]
+    splits = _write_shards(out, n_buckets, dtype, skipped, log)
+    shutil.rmtree(out / "buckets")
+    seconds["total"] = time.time() - seconds.pop("start")
+    seconds["shards"] = seconds["total"] - seconds["tokenizer"] - seconds["encoding"]
+    n_docs = sum(s["documents"] for s in splits.values())
+    if n_docs == 0:
+        raise DataError(f"dataset {dataset!r} holds no non-empty documents")
+    if n_docs < 2:
+        raise DataError(f"only {n_docs} distinct non-empty documents: need at least 2 (train and val)")
+    for split, other in (("train", "val"), ("val", "train")):
+        if splits[split]["documents"] == 0:
+            raise DataError(
+                f"val_fraction={settings.val_fraction} puts all {n_docs} distinct documents in {other} and none in "
+                f"{split}; {'lower' if split == 'train' else 'raise'} it (or use more documents)"
+            )
+    meta = {
+        "format_version": SHARD_FORMAT_VERSION,
+        "dataset": dataset,
+        "source": source.identity,
+        "settings": settings.key(),
+        "tokenizer": settings.tokenizer,
+        "tokenizer_name": enc.name,
+        "tokenizer_trained_on": trained_on,
+        "pattern": enc._pat_str,
+        "tokenizer_sha256": hashlib.sha256((out / "tokenizer.tiktoken").read_bytes()).hexdigest(),
+        "vocab_size": enc.n_vocab,
+        "eot_id": enc.eot_token,
+        "val_fraction": settings.val_fraction,
+        "seed": settings.seed,
+        "dtype": dtype.name,
+        "skipped": {why: n for why, n in sorted(skipped.items()) if n},
+        "splits": splits,
+        "bytes_read": total_bytes,
+        "seconds": {phase: round(s, 2) for phase, s in seconds.items()},
+        "prepared_at": time.time(),
+    }
+    (out / "inputs.json").write_text(json.dumps(inputs))
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    for line in describe(meta):
+        log(line)
+
+
+def _tokenizer_sample(source: Source, settings: PrepareSettings, total_bytes: int, log) -> list[str]:
+    """A deterministic sample of the training documents for the BPE: those with the smallest order keys
+    (a uniform draw over the whole corpus) up to tokenizer_train_mb million characters, in key order."""
+    budget = settings.tokenizer_train_mb * 1_000_000
+    heap: list[tuple[int, str]] = []  # (-key, text): the largest key sits on top, ready to be dropped
+    in_sample: set[int] = set()
+    chars = 0
+    progress = Progress("tokenizer sample", total_bytes, log)
+    for text in read_documents(source, settings.text_field, Counter(), lambda n: progress.update(n_bytes=n)):
+        progress.update(documents=1)
+        text, key, draw = _document_key(text, settings.seed)
+        if draw < settings.val_fraction or key in in_sample or (chars >= budget and key > -heap[0][0]):
+            continue
+        heapq.heappush(heap, (-key, text))
+        in_sample.add(key)
+        chars += len(text)
+        while chars > budget and len(heap) > 1:
+            dropped_key, dropped = heapq.heappop(heap)
+            in_sample.discard(-dropped_key)
+            chars -= len(dropped)
+    progress.close()
+    return [text for _, text in sorted(heap, reverse=True)]
+
+
+def _encode_batch(enc: tiktoken.Encoding, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens of every text, each followed by EOT; their lengths). Runs in worker threads: tiktoken
+    releases the GIL while it encodes, so these run in parallel on every core."""
+    encoded = [enc.encode_to_numpy(t, disallowed_special=()) for t in texts]  # = encode_ordinary
+    lengths = np.fromiter((len(e) + 1 for e in encoded), dtype=np.int64, count=len(encoded))
+    tokens = np.full(int(lengths.sum()), enc.eot_token, dtype=dtype)
+    ends = np.cumsum(lengths)
+    for end, ids in zip(ends, encoded):
+        tokens[end - 1 - len(ids) : end - 1] = ids
+    return tokens, lengths
+
+
+BUCKET_TEXT_BYTES = 256 << 20  # corpus text per bucket (its tokens are sorted in memory)
+FLUSH_BYTES = 64 << 20  # encoded tokens held before they are appended to the bucket files
+INDEX_DTYPE = np.dtype([("key", "<u8"), ("length", "<u8")])
+
+
+def _encode_into_buckets(
+    folder: Path, source: Source, settings: PrepareSettings, enc, dtype, total_bytes: int, skipped: Counter, log
+) -> int:
+    """Encode every document on all cores into buckets chosen by its order key: files
+    <split>_<bucket>.tokens and .index (key, length per document). Returns the number of buckets."""
+    compressed = sum(1 for p in source.files if file_kind(p) == "parquet" or p.name.endswith((".gz", ".zst")))
+    estimate = total_bytes * (4 if compressed else 1)  # compressed corpora hold more text than their size
+    n_buckets = min(4096, max(1, math.ceil(estimate / BUCKET_TEXT_BYTES)))
+    folder.mkdir()
+    buffers: dict[tuple[str, int], tuple[list, list, list]] = {}  # (split, bucket): tokens, keys, lengths
+    buffered = 0
+
+    def flush() -> None:
+        nonlocal buffered
+        for (split, bucket), (tokens, keys, lengths) in buffers.items():
+            with open(folder / f"{split}_{bucket:05d}.tokens", "ab") as f:
+                np.concatenate(tokens).tofile(f)
+            index = np.empty(len(keys), dtype=INDEX_DTYPE)
+            index["key"], index["length"] = keys, lengths
+            with open(folder / f"{split}_{bucket:05d}.index", "ab") as f:
+                index.tofile(f)
+        buffers.clear()
+        buffered = 0
+
+    def store(batch_keys: list[tuple[int, bool]], encoded: tuple[np.ndarray, np.ndarray]) -> None:
+        nonlocal buffered
+        tokens, lengths = encoded
+        for (key, is_val), end, length in zip(batch_keys, np.cumsum(lengths).tolist(), lengths.tolist()):
+            bucket = buffers.setdefault(("val" if is_val else "train", key * n_buckets >> 64), ([], [], []))
+            bucket[0].append(tokens[end - length : end])
+            bucket[1].append(key)
+            bucket[2].append(length)
+        buffered += tokens.nbytes
+        progress.update(tokens=int(lengths.sum()))
+        if buffered >= FLUSH_BYTES:
+            flush()
+
+    threads = os.cpu_count() or 1
+    progress = Progress("encoding", total_bytes, log)
+    in_flight: deque = deque()
+    batch: list[str] = []
+    batch_keys: list[tuple[int, bool]] = []
+    batch_chars = 0
+    with ThreadPoolExecutor(threads) as pool:
+        try:
+            for text in read_documents(source, settings.text_field, skipped, lambda n: progress.update(n_bytes=n)):
+                text, key, draw = _document_key(text, settings.seed)
+                batch.append(text)
+                batch_keys.append((key, draw < settings.val_fraction))
+                batch_chars += len(text)
+                progress.update(documents=1)
+                if batch_chars >= 1 << 20 or len(batch) >= 4096:
+                    in_flight.append((batch_keys, pool.submit(_encode_batch, enc, batch, dtype)))
+                    batch, batch_keys, batch_chars = [], [], 0
+                    while len(in_flight) > 2 * threads:  # bounded memory: wait for the oldest batch
+                        keys, future = in_flight.popleft()
+                        store(keys, future.result())
+            if batch:
+                in_flight.append((batch_keys, pool.submit(_encode_batch, enc, batch, dtype)))
+            while in_flight:
+                keys, future = in_flight.popleft()
+                store(keys, future.result())
+        finally:
+            for _, future in in_flight:
+                future.cancel()
+    flush()
+    progress.close()
+    return n_buckets
+
+
+def _write_shards(out: Path, n_buckets: int, dtype, skipped: Counter, log) -> dict:
+    """Sort each bucket by order key, drop repeated keys (exact duplicates) and append the documents to
+    numbered shards. Keys were drawn uniformly, so the stream is a seeded shuffle of the documents."""
+    splits = {}
+    folder = out / "buckets"
+    progress = Progress("shuffling into shards", sum(p.stat().st_size for p in folder.iterdir()), log)
+    for split in ("train", "val"):
+        shards: list[dict] = []
+        current, current_tokens, documents = None, 0, 0
+        try:
+            for bucket in range(n_buckets):
+                index_path = folder / f"{split}_{bucket:05d}.index"
+                if not index_path.exists():
+                    continue
+                index = np.fromfile(index_path, dtype=INDEX_DTYPE)
+                tokens = np.fromfile(folder / f"{split}_{bucket:05d}.tokens", dtype=dtype)
+                progress.update(n_bytes=index.nbytes + tokens.nbytes, documents=len(index))
+                order = np.argsort(index["key"], kind="stable")
+                keys = index["key"][order]
+                keep = order[np.r_[True, keys[1:] != keys[:-1]]]
+                skipped["duplicate"] += len(index) - len(keep)
+                documents += len(keep)
+                starts = (np.cumsum(index["length"]) - index["length"])[keep].tolist()
+                lengths = index["length"][keep].tolist()
+                stream = np.empty(sum(lengths), dtype=dtype)
+                at = 0
+                for start, length in zip(starts, lengths):
+                    stream[at : at + length] = tokens[start : start + length]
+                    at += length
+                del tokens
+                (folder / f"{split}_{bucket:05d}.tokens").unlink()
+                index_path.unlink()
+                while len(stream):
+                    if current is None or current_tokens == SHARD_TOKENS:
+                        name = f"{split}_{len(shards):06d}.bin"
+                        shards.append({"file": name, "tokens": 0})
+                        if current is not None:
+                            current.close()
+                        current, current_tokens = open(out / name, "wb"), 0
+                    take = min(len(stream), SHARD_TOKENS - current_tokens)
+                    stream[:take].tofile(current)
+                    shards[-1]["tokens"] += take
+                    current_tokens += take
+                    stream = stream[take:]
+        finally:
+            if current is not None:
+                current.close()
+        splits[split] = {"documents": documents, "tokens": sum(s["tokens"] for s in shards), "shards": shards}
+    progress.close()
+    return splits
+
+
+def describe(meta: dict) -> list[str]:
+    """What a preparation made, for the log and `python data.py`."""
+    skipped = ", ".join(f"{n:,} {why}" for why, n in meta["skipped"].items() if n) or "none"
+    train, val = meta["splits"]["train"], meta["splits"]["val"]
+    lines = [
+        f"data: {train['documents']:,} train and {val['documents']:,} val documents from {meta['dataset']} "
+        f"(skipped: {skipped})",
+        f"data: {train['tokens']:,} train tokens in {len(train['shards'])} shard(s), {val['tokens']:,} val tokens in "
+        f"{len(val['shards'])}",
+    ]
+    tok = f"data: tokenizer {meta['tokenizer_name']}, vocabulary {meta['vocab_size']:,} with EOT = {meta['eot_id']}"
+    if meta.get("tokenizer_trained_on"):
+        t = meta["tokenizer_trained_on"]
+        tok += f", trained on {t['documents']:,} documents ({t['characters'] / 1e6:.1f}M characters)"
+    lines.append(tok)
+    tokens, seconds = train["tokens"] + val["tokens"], meta["seconds"]
+    lines.append(
+        f"data: {meta['bytes_read'] / 1e6:,.1f} MB read, {tokens:,} tokens in {seconds['total']:.1f}s "
+        f"({tokens / max(seconds['total'], 1e-9):,.0f} tokens/s; tokenizer {seconds['tokenizer']:.1f}s, "
+        f"encoding {seconds['encoding']:.1f}s, shuffling into shards {seconds['shards']:.1f}s)"
+    )
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading: every shard memory-mapped, each split read as one array.
+
+
+class TokenStream:
+    """The tokens of one split, as one array over its shard files: len(), slices (read into memory) and
+    integer-array indexing (a gather across shards, so a row may span two of them)."""
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = parts
+        self.offsets = np.cumsum([0] + [len(p) for p in parts])
+        self.dtype = parts[0].dtype
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                raise IndexError("TokenStream slices take no step")
+            first, last = (np.searchsorted(self.offsets, [start, max(start, stop - 1)], side="right") - 1).tolist()
+            pieces = [
+                self.parts[p][max(start - self.offsets[p], 0) : max(stop - self.offsets[p], 0)]
+                for p in range(first, min(last, len(self.parts) - 1) + 1)
+            ]
+            return np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
+        index = np.asarray(key)
+        if len(self.parts) == 1:
+            return self.parts[0][index]
+        part = np.searchsorted(self.offsets, index, side="right") - 1
+        out = np.empty(index.shape, self.dtype)
+        for p in np.unique(part):
+            chosen = part == p
+            out[chosen] = self.parts[p][index[chosen] - self.offsets[p]]
+        return out
 
 
 @dataclass
 class Shards:
     meta: dict
-    train: np.ndarray
-    val: np.ndarray
+    train: TokenStream
+    val: TokenStream
 
     @property
     def eot_id(self) -> int:
@@ -337,41 +970,69 @@ class Shards:
 
 
 def load_shards(path: Path) -> Shards:
-    """Memory-map prepared shards, checking that every file is complete and consistent."""
+    """Memory-map prepared shards, checking that every file is complete and consistent (sizes always;
+    token ids in the first and last MiB of each shard, so loading stays fast on any corpus)."""
     meta_path = Path(path) / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
     except FileNotFoundError:
         raise DataError(f"{meta_path} not found: prepare the data first") from None
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise DataError(f"{meta_path} is corrupted (not valid JSON)") from None
-    if meta.get("format_version") != SHARD_FORMAT_VERSION:
+    if not isinstance(meta, dict) or meta.get("format_version") != SHARD_FORMAT_VERSION:
         raise DataError(f"{path} was prepared by another version of data.py; delete it to prepare again")
     tok_path = Path(path) / "tokenizer.tiktoken"
     if not tok_path.is_file() or hashlib.sha256(tok_path.read_bytes()).hexdigest() != meta["tokenizer_sha256"]:
         raise DataError(f"{tok_path} is missing or does not match meta.json; delete {path} to prepare again")
     dtype = np.dtype(meta["dtype"])
-    arrays = {}
+    streams = {}
     for split, info in meta["splits"].items():
-        bin_path = Path(path) / f"{split}.bin"
-        expected = info["tokens"] * dtype.itemsize
-        actual = bin_path.stat().st_size if bin_path.exists() else None
-        if actual != expected:
-            raise DataError(
-                f"{bin_path} is truncated or corrupted: {actual} bytes, meta.json says {expected}; "
-                f"delete {path} to prepare again"
-            )
-        tokens = np.memmap(bin_path, dtype=dtype, mode="r")
-        if tokens[-1] != meta["eot_id"] or tokens.max(initial=0) >= meta["vocab_size"]:
-            raise DataError(f"{bin_path} does not match its tokenizer (bad token ids); delete {path} to prepare again")
-        arrays[split] = tokens
-    return Shards(meta=meta, train=arrays["train"], val=arrays["val"])
+        parts = []
+        for shard in info["shards"]:
+            bin_path = Path(path) / shard["file"]
+            expected = shard["tokens"] * dtype.itemsize
+            actual = bin_path.stat().st_size if bin_path.exists() else None
+            if actual != expected:
+                raise DataError(
+                    f"{bin_path} is truncated or corrupted: {actual} bytes, meta.json says {expected}; "
+                    f"delete {path} to prepare again"
+                )
+            tokens = np.memmap(bin_path, dtype=dtype, mode="r")
+            edge = (1 << 20) // dtype.itemsize
+            if max(tokens[:edge].max(), tokens[-edge:].max()) >= meta["vocab_size"]:
+                raise DataError(
+                    f"{bin_path} does not match its tokenizer (bad token ids); delete {path} to prepare again"
+                )
+            parts.append(tokens)
+        if parts[-1][-1] != meta["eot_id"]:
+            raise DataError(f"{bin_path} does not end a document; delete {path} to prepare again")
+        streams[split] = TokenStream(parts)
+    return Shards(meta=meta, train=streams["train"], val=streams["val"])
 
 
 def load_tokenizer(path: Path) -> tiktoken.Encoding:
     """The tokenizer saved beside prepared shards (works offline)."""
     meta = json.loads((Path(path) / "meta.json").read_text())
     return read_tiktoken_file(Path(path) / "tokenizer.tiktoken", meta["pattern"])
+
+
+def leading_documents(stream: TokenStream | np.ndarray, eot_id: int, max_tokens: int) -> TokenStream | np.ndarray:
+    """The whole documents at the start of a split that fit in max_tokens (at least the first one; all
+    for 0): a fixed subset, the same for every run, since the stream's order depends only on data_seed."""
+    if max_tokens == 0 or max_tokens >= len(stream):
+        return stream
+    head = np.asarray(stream[:max_tokens])
+    ends = np.flatnonzero(head == eot_id)
+    if len(ends):
+        return head[: ends[-1] + 1]
+    first_end = eot_positions(stream, eot_id)[0]
+    return np.asarray(stream[: first_end + 1])
+
+
+def eot_positions(stream: TokenStream | np.ndarray, eot_id: int, chunk: int = 1 << 24) -> np.ndarray:
+    """Positions of every EOT, read in chunks so a large split is never compared all at once."""
+    found = [np.flatnonzero(np.asarray(stream[i : i + chunk]) == eot_id) + i for i in range(0, len(stream), chunk)]
+    return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,7 +1080,7 @@ class Batch:
 
 
 def make_batch(
-    stream: np.ndarray,
+    stream: TokenStream | np.ndarray,
     starts: np.ndarray,
     n_real: np.ndarray,
     seq_len: int,
@@ -459,9 +1120,9 @@ def concat_rows(n_tokens: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, np
     return starts, np.full_like(starts, seq_len + 1), np.zeros_like(starts)
 
 
-def pad_rows(stream: np.ndarray, eot_id: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pad_rows(stream: TokenStream | np.ndarray, eot_id: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One row per document, or per chunk of T inputs of a longer one: (starts, n_real, doc_offsets)."""
-    doc_ends = np.flatnonzero(np.asarray(stream) == eot_id) + 1
+    doc_ends = eot_positions(stream, eot_id) + 1
     doc_starts = np.concatenate([[0], doc_ends[:-1]])
     lengths = doc_ends - doc_starts  # EOT included
     n_chunks = np.maximum(1, -(-(lengths - 1) // seq_len))  # chunks with at least one target
@@ -482,7 +1143,7 @@ class PackedBatches:
 
     def __init__(
         self,
-        stream: np.ndarray,
+        stream: TokenStream | np.ndarray,
         eot_id: int,
         seq_len: int,
         batch_size: int,
@@ -501,7 +1162,8 @@ class PackedBatches:
             self.starts, self.n_real, self.offsets = pad_rows(stream, eot_id, seq_len)
         else:
             raise ValueError(f"packing must be 'concat' or 'pad', got {packing!r}")
-        if len(self.starts) < batch_size * world_size:
+        needed = batch_size * world_size if shuffle else 1  # training takes whole global batches
+        if len(self.starts) < needed:
             raise DataError(
                 f"the {split} split's {len(stream):,} tokens give {len(self.starts)} rows of seq_len {seq_len} with "
                 f"packing={packing}, fewer than batch_size {batch_size} x {world_size} process(es): "
@@ -541,9 +1203,9 @@ class PackedBatches:
         self.cursor += global_batch
         return self.batch(self._order[first : first + self.batch_size])
 
-    def all_batches(self, max_rows: int | None = None):
+    def all_batches(self):
         """Every row in order (evaluation), in batches; the last batch may be smaller."""
-        n = len(self.starts) if max_rows is None else min(max_rows, len(self.starts))
+        n = len(self.starts)
         for i in range(0, n, self.batch_size):
             yield self.batch(self._order[i : min(i + self.batch_size, n)])
 
@@ -553,3 +1215,53 @@ class PackedBatches:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = state["epoch"], state["cursor"]
         self._order = self._epoch_order()
+
+
+# ----------------------------------------------------------------------------------------------
+# python data.py DATASET [--key=value ...]: prepare without training
+
+
+DATA_KEYS = (
+    "dataset",
+    "data_dir",
+    "tokenizer",
+    "tokenizer_vocab_size",
+    "val_fraction",
+    "data_seed",
+    "text_field",
+    "tokenizer_train_mb",
+)
+
+
+def main(argv: list[str]) -> int:
+    import train  # the settings, their defaults and their checks are train.py's
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(train.help_text(DATA_KEYS, usage=__doc__.split("\n\n")[0]))
+        return 0
+    args = list(argv)
+    config = [args.pop(0)] if args and args[0].endswith(".toml") else []
+    if args and not args[0].startswith("--"):
+        args[0] = f"--dataset={args[0]}"
+    try:
+        for arg in args:
+            key = arg[2:].split("=", 1)[0]
+            if arg.startswith("--") and key in train.Config.__dataclass_fields__ and key not in DATA_KEYS:
+                raise train.ConfigError(f"{key} is not a data setting; data.py takes {', '.join(DATA_KEYS)}")
+        cfg = train.parse_config(config + args)
+        path = train.prepare_data(cfg, log=print)
+        meta = train.data.load_shards(path).meta
+    except (train.ConfigError, train.DataError) as e:  # train's: this file runs as __main__, not as data
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"ready: {path}")
+    for line in describe(meta):
+        print("  " + line.removeprefix("data: "))
+    print(
+        f"train on it with --dataset={cfg.dataset} (or --dataset={path}, e.g. after copying {cfg.data_dir}/ elsewhere)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

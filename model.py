@@ -222,7 +222,8 @@ class GPT(nn.Module):
             if temperature == 0:
                 next_id = logits.argmax(-1, keepdim=True)
             else:
-                logits = logits / temperature
+                # shifted so the largest is 0 first: a tiny temperature then gives -inf, never inf - inf = nan
+                logits = (logits - logits.max(-1, keepdim=True).values) / temperature
                 if top_k is not None:
                     kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, -float("inf"))

@@ -2,22 +2,23 @@
 
 python sample.py                                  # out/ckpt.pt, prompt "def "
 python sample.py --out_dir=out --prompt="class " --num_samples=3 --max_new_tokens=200
+
+The checkpoint holds its tokenizer, so a run folder works from any working folder and on another machine.
 """
 
 from __future__ import annotations
 
-import argparse
+import math
 import sys
 from pathlib import Path
 
 import torch
 
-import data
-from model import GPT, GPTConfig
+import train
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = train.ArgumentParser(description=__doc__)
     parser.add_argument("--out_dir", default="out", help="the training run's folder (holds ckpt.pt)")
     parser.add_argument("--prompt", default="def ", help="text the samples continue; each starts a new document")
     parser.add_argument("--num_samples", type=int, default=1, help="how many samples to print")
@@ -27,31 +28,27 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     args = parser.parse_args(argv)
+    for name, minimum in (("num_samples", 1), ("max_new_tokens", 0), ("top_k", 0), ("seed", 0)):
+        if getattr(args, name) < minimum:
+            parser.error(f"--{name}={getattr(args, name)}: must be at least {minimum}")
+    if args.seed > train.MAX_SEED:
+        parser.error(f"--seed={args.seed}: must be at most {train.MAX_SEED}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        parser.error(f"--temperature={args.temperature}: must be a finite number, at least 0")
 
-    ckpt_path = Path(args.out_dir) / "ckpt.pt"
-    if not ckpt_path.is_file():
-        print(
-            f"error: {ckpt_path} not found; train first with: python train.py --out_dir={args.out_dir}", file=sys.stderr
-        )
+    try:
+        device = train.resolve_device(args.device)
+        state = train.read_checkpoint(Path(args.out_dir) / "ckpt.pt")
+        model = train.trained_model(state, device, attn_impl="sdpa")  # one document: no mask needed
+        enc = train.checkpoint_tokenizer(state)
+    except (train.ConfigError, train.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
-    state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-    shard_path = Path(state["shards"])
-    if not (shard_path / "tokenizer.tiktoken").is_file():
-        print(
-            f"error: the run's tokenizer {shard_path}/tokenizer.tiktoken is missing; prepare its data again",
-            file=sys.stderr,
-        )
-        return 1
-    enc = data.load_tokenizer(shard_path)
-    model = GPT(GPTConfig(**{**state["model_config"], "attn_impl": "sdpa"}))
-    model.load_state_dict(state["model"])
-    model.to(args.device).eval()
-
-    torch.manual_seed(args.seed)
-    prompt = torch.tensor([enc.encode_ordinary(args.prompt)], device=args.device)
+    prompt = torch.tensor([enc.encode_ordinary(args.prompt)], dtype=torch.long, device=device)
     if prompt.shape[1] == 0:
         print("error: the prompt is empty", file=sys.stderr)
         return 1
+    torch.manual_seed(args.seed)
     for i in range(args.num_samples):
         out = model.generate(
             prompt, args.max_new_tokens, args.temperature, args.top_k or None, stop_token=enc.eot_token

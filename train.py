@@ -10,18 +10,20 @@ saved to out_dir/config.json; metrics go to out_dir/metrics.jsonl; the checkpoin
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import json
 import math
 import os
 import random
+import re
 import signal
 import sys
 import textwrap
 import time
 import tomllib
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,9 +37,11 @@ import data
 from data import IGNORE_INDEX, Batch, DataError, PackedBatches
 from model import GPT, GPTConfig, use_flex
 
+MAX_SEED = 2**63 - 1  # what torch, numpy and the data hash all take
 
-def _f(default, help: str, choices: tuple | None = None, minimum: float | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices, "min": minimum})
+
+def _f(default, help: str, choices: tuple | None = None, minimum: float | None = None, maximum: float | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices, "min": minimum, "max": maximum})
 
 
 @dataclass
@@ -46,16 +50,23 @@ class Config:
     dataset: str = _f(
         "stdlib",
         "'stdlib' (top-level functions and classes of the Python standard library), "
-        "'stdlib-files' (whole modules), a directory of text files, a .jsonl file with a 'text' "
-        "field, or a text file of documents separated by <|endoftext|>",
+        "'stdlib-files' (whole modules), a directory of text files (one document each), a .jsonl, .jsonl.gz or "
+        ".jsonl.zst file (one document per line), a .parquet file (one per row), a glob or directory of such "
+        "files, a text file of documents separated by <|endoftext|>, or a folder prepared by data.py",
     )
-    data_dir: str = _f("data", "where prepared shards are kept (one folder per dataset and tokenizer)")
+    text_field: str = _f("text", "the field (.jsonl) or column (.parquet) that holds each document's text")
+    data_dir: str = _f("data", "where prepared shards are kept (one folder per corpus content and tokenizer)")
     tokenizer: str = _f(
         "bpe",
         "'bpe' (train one on the corpus with rustbpe), a tiktoken name such as 'gpt2' "
         "(downloads on first use), or a path to a .tiktoken file",
     )
-    tokenizer_vocab_size: int = _f(8192, "vocabulary size of a trained 'bpe' tokenizer, EOT included", minimum=257)
+    tokenizer_vocab_size: int = _f(
+        8192, "vocabulary size of a trained 'bpe' tokenizer, EOT included", minimum=257, maximum=65536
+    )
+    tokenizer_train_mb: int = _f(
+        100, "a 'bpe' tokenizer trains on a fixed sample of this many million characters of training text", minimum=1
+    )
     val_fraction: float = _f(0.05, "fraction of documents held out for validation", minimum=0.0)
     packing: str = _f(
         "concat",
@@ -78,23 +89,34 @@ class Config:
     batch_size: int = _f(8, "rows per micro-batch", minimum=1)
     grad_accum: int = _f(1, "micro-batches per optimizer step", minimum=1)
     max_iters: int = _f(600, "optimizer steps", minimum=0)
-    lr: float = _f(3e-3, "peak learning rate", minimum=0.0)
-    min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay", minimum=0.0)
+    lr: float = _f(3e-3, "peak learning rate", minimum=0.0, maximum=10.0)
+    min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay", minimum=0.0, maximum=10.0)
     warmup_iters: int = _f(60, "linear warmup steps", minimum=0)
-    weight_decay: float = _f(0.1, "AdamW weight decay on matrices (not on norms)", minimum=0.0)
+    weight_decay: float = _f(0.1, "AdamW weight decay on matrices (not on norms)", minimum=0.0, maximum=10.0)
     beta1: float = _f(0.9, "AdamW beta1", minimum=0.0)
     beta2: float = _f(0.99, "AdamW beta2", minimum=0.0)
     grad_clip: float = _f(1.0, "clip the gradient norm to this (0: off)", minimum=0.0)
     # evaluation, logging, checkpoints
     eval_interval: int = _f(300, "evaluate and checkpoint every this many steps (and at the end)", minimum=1)
-    eval_rows: int = _f(0, "validation rows per evaluation for each loss (0: all)", minimum=0)
+    eval_tokens: int = _f(
+        1_000_000,
+        "validation tokens per evaluation: the whole documents at the start of the (shuffled) validation split "
+        "that fit, the same for every run (0: all)",
+        minimum=0,
+    )
     log_interval: int = _f(20, "print and log training metrics every this many steps", minimum=1)
     sample_prompt: str = _f("def ", "prompt of the sample printed at the end ('' for none)")
     sample_tokens: int = _f(80, "tokens in that sample", minimum=0)
     out_dir: str = _f("out", "where config.json, metrics.jsonl and ckpt.pt are written")
     resume: bool = _f(False, "continue from out_dir/ckpt.pt")
-    seed: int = _f(0, "seed of the model init and the data order")
-    data_seed: int = _f(1337, "seed of the train/val split and tokenizer data (kept fixed across runs)")
+    overwrite: bool = _f(False, "start afresh in an out_dir that holds a run, replacing it (without this: refused)")
+    seed: int = _f(0, "seed of the model init and the data order", minimum=0, maximum=MAX_SEED)
+    data_seed: int = _f(
+        1337,
+        "seed of the train/val split, the document order and the tokenizer sample (kept fixed across runs)",
+        minimum=0,
+        maximum=MAX_SEED,
+    )
     device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'")
     dtype: str = _f(
         "auto", "'auto' (bfloat16 autocast on CUDA, float32 elsewhere)", choices=("auto", "float32", "bfloat16")
@@ -109,11 +131,12 @@ class Config:
 RESUMABLE_CHANGES = {
     "max_iters",
     "eval_interval",
-    "eval_rows",
+    "eval_tokens",
     "log_interval",
     "sample_prompt",
     "sample_tokens",
     "resume",
+    "overwrite",
     "device",
     "compile",
     "wandb",
@@ -130,6 +153,21 @@ class ConfigError(Exception):
 
 class TrainingDiverged(Exception):
     """The loss became non-finite; printed as one line."""
+
+
+class SaveFailed(Exception):
+    """A checkpoint could not be written (disk full, file size limit); printed as one line."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the other scripts, reporting a bad argument as one line `error: ...` like all bad input."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+    def error(self, message: str):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,13 +206,7 @@ def parse_config(argv: list[str]) -> Config:
     types = {"bool": bool, "int": int, "float": float, "str": str}
     values: dict = {}
     if argv and not argv[0].startswith("--"):
-        path = Path(argv[0])
-        try:
-            values.update(tomllib.loads(path.read_text()))
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path} does not parse: {e}") from None
+        values.update(read_config_file(Path(argv[0])))
         argv = argv[1:]
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
@@ -191,13 +223,38 @@ def parse_config(argv: list[str]) -> Config:
     return cfg
 
 
+def read_config_file(path: Path) -> dict:
+    """A TOML config file's values, or one line saying what is wrong with the file."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a folder, not a config file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} does not parse: {e}") from None
+
+
 def validate(cfg: Config) -> None:
     for f in dataclasses.fields(Config):
-        value, choices, minimum = getattr(cfg, f.name), f.metadata["choices"], f.metadata["min"]
+        value, choices = getattr(cfg, f.name), f.metadata["choices"]
+        minimum, maximum = f.metadata["min"], f.metadata["max"]
         if choices and value not in choices:
             raise ConfigError(f"{f.name}={value!r}: choose one of {', '.join(choices)}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{f.name}={value}: must be a finite number")
         if minimum is not None and value < minimum:
             raise ConfigError(f"{f.name}={value!r}: must be at least {minimum}")
+        if maximum is not None and value > maximum:
+            raise ConfigError(f"{f.name}={value!r}: must be at most {maximum}")
+    for name in ("dataset", "data_dir", "out_dir", "text_field"):
+        if not getattr(cfg, name).strip():
+            raise ConfigError(f"{name} is empty: give a {'field name' if name == 'text_field' else 'path'}")
+    resolve_device(cfg.device)  # a device this machine has
     if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
         raise ConfigError(f"n_embd={cfg.n_embd} must split into n_head={cfg.n_head} heads of even size")
     if not 0 < cfg.val_fraction < 1:
@@ -208,14 +265,29 @@ def validate(cfg: Config) -> None:
         raise ConfigError("dropout, beta1 and beta2 must be below 1")
 
 
-def help_text() -> str:
-    lines = [__doc__.strip(), "", "settings (--key=default):"]
+def help_text(keys: tuple[str, ...] | None = None, usage: str | None = None) -> str:
+    lines = [(usage or __doc__).strip(), "", "settings (--key=default):"]
     for f in dataclasses.fields(Config):
+        if keys is not None and f.name not in keys:
+            continue
         default = str(f.default).lower() if isinstance(f.default, bool) else f.default
         choices = f"  [{' | '.join(f.metadata['choices'])}]" if f.metadata["choices"] else ""
         lines.append(f"  --{f.name}={default}{choices}")
         lines += textwrap.wrap(f.metadata["help"], width=100, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines)
+
+
+def prepare_data(cfg: Config, log=print) -> Path:
+    """The run's shards, prepared first if needed (the run's own folders are never read as corpus)."""
+    settings = data.PrepareSettings(
+        tokenizer=cfg.tokenizer,
+        vocab_size=cfg.tokenizer_vocab_size,
+        val_fraction=cfg.val_fraction,
+        seed=cfg.data_seed,
+        text_field=cfg.text_field,
+        tokenizer_train_mb=cfg.tokenizer_train_mb,
+    )
+    return data.prepare(cfg.dataset, cfg.data_dir, settings, exclude=(Path(cfg.data_dir), Path(cfg.out_dir)), log=log)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,13 +297,46 @@ def help_text() -> str:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"device={name!r}: use auto, cpu, cuda or cuda:N") from None
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise ConfigError(f"device={name!r}: use auto, cpu, cuda or cuda:N")
+    device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={name!r} but CUDA is not available here; use device=cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"device={name!r} but this machine has {torch.cuda.device_count()} GPU(s)")
     return device
+
+
+def check_fits(config: GPTConfig, batch_size: int, device: torch.device) -> None:
+    """Refuse a model that cannot fit: weights, gradients and AdamW state (16 bytes a parameter in fp32)
+    plus one fp32 copy of the logits are a lower bound on what training needs."""
+    d, T = config.n_embd, config.seq_len
+    params = config.vocab_size * d + config.n_layer * (12 * d * d + 4 * d) + 2 * d
+    params += T * d if config.pos_emb == "learned" else 0
+    need = 16 * params + 4 * batch_size * T * config.vocab_size
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ConfigError(
+            f"the model ({params / 1e6:,.1f}M parameters, {batch_size} x {T} tokens a micro-batch) needs about "
+            f"{need / 1e9:,.1f} GB to train on {device.type}, and this machine has {have / 1e9:,.1f} GB"
+        )
+
+
+def model_settings(cfg: Config, vocab_size: int) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=math.ceil(vocab_size / 64) * 64,  # a multiple of 64 is faster on GPU
+        seq_len=cfg.seq_len,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_embd=cfg.n_embd,
+        dropout=cfg.dropout,
+        pos_emb=cfg.pos_emb,
+        doc_mask=cfg.doc_mask,
+        attn_impl=cfg.attn_impl,
+    )
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -283,15 +388,15 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: list[Batch], aut
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, shards: data.Shards, cfg: Config, device: torch.device, autocast) -> dict:
-    """val_loss: packed validation rows under this run's packing and flags.
-    val_doc_loss: every validation document alone from position 0 (the inference setting; the same
-    computation for every run), with its loss by position within the document."""
+def evaluate(
+    model: torch.nn.Module, val: data.TokenStream | np.ndarray, eot_id: int, cfg: Config, device: torch.device, autocast
+) -> dict:
+    """On `val`, the fixed validation subset (whole documents):
+    val_loss: packed rows under this run's packing and flags.
+    val_doc_loss: every document alone from position 0 (the inference setting; the same computation for
+    every run), with its loss by position within the document."""
     model.eval()
-    max_rows = cfg.eval_rows or None
-    common = dict(
-        stream=shards.val, eot_id=shards.eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, shuffle=False
-    )
+    common = dict(stream=val, eot_id=eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, shuffle=False)
     packed = PackedBatches(
         packing=cfg.packing,
         reset_position_ids=cfg.reset_position_ids,
@@ -301,14 +406,14 @@ def evaluate(model: torch.nn.Module, shards: data.Shards, cfg: Config, device: t
     )
     alone = PackedBatches(packing="pad", split="val", **common)
     total, count = torch.zeros((), device=device), torch.zeros((), device=device)
-    for batch in packed.all_batches(max_rows):
+    for batch in packed.all_batches():
         with autocast:
             loss_sum, n = summed_loss(model, batch.to(device))
         total, count = total + loss_sum, count + n
     doc_total, doc_count = torch.zeros((), device=device), torch.zeros((), device=device)
     by_pos_sum = torch.zeros(cfg.seq_len, device=device)
     by_pos_count = torch.zeros(cfg.seq_len, device=device)
-    for batch in alone.all_batches(max_rows):
+    for batch in alone.all_batches():
         batch = batch.to(device)
         with autocast:
             logits = model(batch.inputs, batch.doc_ids, batch.position_ids)
@@ -336,26 +441,67 @@ def evaluate(model: torch.nn.Module, shards: data.Shards, cfg: Config, device: t
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
-    """Write to a temporary file and rename it over the old one, so a kill mid-save leaves the
-    previous checkpoint intact."""
+    """Write to a temporary file and rename it over the old one, so a kill or a failure mid-save leaves
+    the previous checkpoint intact."""
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch reports a failed write (disk full, size limit) as RuntimeError
+        tmp.unlink(missing_ok=True)
+        reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0]
+        raise SaveFailed(f"could not save the checkpoint {path} ({reason}); the previous checkpoint is kept") from None
+
+
+CHECKPOINT_KEYS = {"model", "optimizer", "config", "model_config", "step", "data", "rng", "tokenizer_sha256"}
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A checkpoint written by train.py, or one line saying why the file is not one."""
+    if not path.is_file():
+        raise ConfigError(f"{path} not found; train first with: python train.py --out_dir={path.parent}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # a truncated or foreign file fails in many ways inside torch and pickle
+        raise ConfigError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
+    if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
+        raise ConfigError(f"{path} is not a checkpoint written by train.py")
+    return state
 
 
 def load_checkpoint(path: Path, cfg: Config) -> dict:
-    if not path.is_file():
-        raise ConfigError(f"resume=true but {path} does not exist; start without --resume=true")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise ConfigError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
+    """The checkpoint to resume from, checked against the settings of this run."""
+    state = read_checkpoint(path)
     saved = state["config"]
     changed = sorted(k for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_CHANGES and saved.get(k) != v)
     if changed:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)
         raise ConfigError(f"cannot resume {path} with a different model or data setting ({detail})")
+    if state["step"] > cfg.max_iters:
+        raise ConfigError(
+            f"{path} is at step {state['step']}, past max_iters={cfg.max_iters}: raise max_iters to train further"
+        )
     return state
+
+
+def trained_model(state: dict, device: torch.device, attn_impl: str | None = None) -> GPT:
+    """The model of a checkpoint, in eval mode; attn_impl overrides the attention it trained with."""
+    config = GPTConfig(**state["model_config"])
+    if attn_impl is not None:
+        config.attn_impl = attn_impl
+    model = GPT(config)
+    model.load_state_dict(state["model"])
+    return model.to(device).eval()
+
+
+def checkpoint_tokenizer(state: dict):
+    """The tokenizer a checkpoint was trained with, stored in it so a run folder stands alone."""
+    if "tokenizer" not in state:  # written before checkpoints held their tokenizer
+        if not (Path(state["shards"]) / "tokenizer.tiktoken").is_file():
+            raise ConfigError(f"this checkpoint's tokenizer was beside its shards, {state['shards']}, which are gone")
+        return data.load_tokenizer(Path(state["shards"]))
+    tok = state["tokenizer"]
+    return data.encoding_from_file_bytes(tok["file"], tok["pattern"], tok["name"])
 
 
 def rng_states() -> dict:
@@ -454,7 +600,14 @@ class StopRequest:
 # The run
 
 
-def check_out_dir(out_dir: Path) -> None:
+@contextmanager
+def run_folder(cfg: Config):
+    """Hold out_dir for the run's lifetime: refuse a folder that another run is using (a lock that the
+    OS drops if that run dies) or that holds a finished run this one would replace."""
+    out_dir = Path(cfg.out_dir)
+    ckpt = out_dir / "ckpt.pt"
+    if cfg.resume and not ckpt.is_file():
+        raise ConfigError(f"resume=true but {ckpt} does not exist; start without --resume=true")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / ".write-test"
@@ -462,6 +615,19 @@ def check_out_dir(out_dir: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"out_dir {out_dir} is not writable ({e.strerror})") from None
+    with ExitStack() as held:
+        try:
+            held.enter_context(data.exclusive_lock(out_dir / ".lock"))
+        except BlockingIOError as e:
+            raise ConfigError(
+                f"{out_dir} is in use by another run (process {e.args[0]}); wait for it or pick another out_dir"
+            ) from None
+        if ckpt.exists() and not cfg.resume and not cfg.overwrite:
+            raise ConfigError(
+                f"{out_dir} holds a run (ckpt.pt): continue it with --resume=true, pick another out_dir, "
+                "or replace it with --overwrite=true"
+            )
+        yield
 
 
 def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
@@ -489,7 +655,8 @@ def train(cfg: Config) -> dict:
     """Run training as configured; returns the last evaluation (on process 0)."""
     rank, world_size, device = setup_distributed(cfg)
     try:
-        return _train(cfg, rank, world_size, device)
+        with run_folder(cfg) if rank == 0 else nullcontext():  # only process 0 writes to out_dir
+            return _train(cfg, rank, world_size, device)
     finally:
         if world_size > 1:
             dist.destroy_process_group()
@@ -505,18 +672,18 @@ def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dic
     checkpoint = load_checkpoint(ckpt_path, cfg) if cfg.resume else None
     if checkpoint is not None and len(checkpoint["rng"]) != world_size:
         raise ConfigError(f"{ckpt_path} was written by {len(checkpoint['rng'])} process(es): resume with as many")
-    if main_process:
-        check_out_dir(out_dir)
     if cfg.packing == "pad" and not (cfg.doc_mask and cfg.reset_position_ids and cfg.mask_boundary_loss):
         say("warning: with packing=pad each row holds one document, so the three flags change nothing", file=sys.stderr)
 
-    prepare_args = (cfg.dataset, cfg.data_dir, cfg.tokenizer, cfg.tokenizer_vocab_size, cfg.val_fraction, cfg.data_seed)
+    # a model that cannot fit is refused before the data is prepared (the vocabulary is a guess until then)
+    check_fits(model_settings(cfg, cfg.tokenizer_vocab_size if cfg.tokenizer == "bpe" else 256), cfg.batch_size, device)
     if world_size > 1 and not main_process:
         dist.barrier()  # process 0 prepares the data first
-    shard_path = data.prepare(*prepare_args, log=say)
+    shard_path = prepare_data(cfg, log=say)
     if world_size > 1 and main_process:
         dist.barrier()
     shards = data.load_shards(shard_path)
+    val = data.leading_documents(shards.val, shards.eot_id, cfg.eval_tokens)
     if checkpoint is not None and checkpoint["tokenizer_sha256"] != shards.meta["tokenizer_sha256"]:
         raise ConfigError(f"{ckpt_path} was trained with another tokenizer than the shards in {shard_path}")
     train_batches = PackedBatches(
@@ -532,21 +699,11 @@ def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dic
         rank=rank,
         world_size=world_size,
     )
-    PackedBatches(shards.val, shards.eot_id, cfg.seq_len, 1, cfg.packing, split="val")  # fails early if val has no row
+    PackedBatches(val, shards.eot_id, cfg.seq_len, 1, cfg.packing, shuffle=False, split="val")  # fails early: no row
 
     torch.manual_seed(cfg.seed)
-    vocab_size = math.ceil(shards.vocab_size / 64) * 64  # a multiple of 64 is faster on GPU
-    model_config = GPTConfig(
-        vocab_size=vocab_size,
-        seq_len=cfg.seq_len,
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        n_embd=cfg.n_embd,
-        dropout=cfg.dropout,
-        pos_emb=cfg.pos_emb,
-        doc_mask=cfg.doc_mask,
-        attn_impl=cfg.attn_impl,
-    )
+    model_config = model_settings(cfg, shards.vocab_size)
+    check_fits(model_config, cfg.batch_size, device)
     model = GPT(model_config).to(device)
     if world_size > 1:
         torch.manual_seed(cfg.seed + rank)  # the same init everywhere, different dropout masks per process
@@ -580,6 +737,11 @@ def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dic
         f"reset_position_ids={cfg.reset_position_ids}, mask_boundary_loss={cfg.mask_boundary_loss}"
         + (f", resuming after step {start_step}" if checkpoint else "")
     )
+    n_val_docs = len(data.eot_positions(val, shards.eot_id))
+    say(f"eval: {len(val):,} validation tokens ({n_val_docs:,} documents) per evaluation")
+
+    enc = data.load_tokenizer(shard_path)
+    tokenizer = {"name": enc.name, "pattern": enc._pat_str, "file": (shard_path / "tokenizer.tiktoken").read_bytes()}
 
     def save(step: int) -> None:
         """A collective under DDP (every process's RNG state goes into the checkpoint)."""
@@ -598,7 +760,8 @@ def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dic
             "data": train_batches.state_dict(),
             "rng": rng,
             "tokenizer_sha256": shards.meta["tokenizer_sha256"],
-            "shards": str(shard_path),
+            "tokenizer": tokenizer,
+            "shards": str(shard_path.resolve()),
         }
         save_checkpoint(ckpt_path, state)
 
@@ -654,7 +817,7 @@ def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dic
             if should_eval:
                 t_eval = time.time()
                 if main_process:  # the unwrapped model: a DDP forward on one process alone would hang
-                    result = {"step": step, **evaluate(compiled_model, shards, cfg, device, autocast)}
+                    result = {"step": step, **evaluate(compiled_model, val, shards.eot_id, cfg, device, autocast)}
                     if not (math.isfinite(result["val_loss"]) and math.isfinite(result["val_doc_loss"])):
                         raise TrainingDiverged(
                             f"validation loss is non-finite at step {step}; "
@@ -675,7 +838,6 @@ def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dic
                 return result
 
     if main_process and cfg.sample_prompt and cfg.sample_tokens and result:
-        enc = data.load_tokenizer(shard_path)
         prompt = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
         with autocast:
             out = model.eval().generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50, stop_token=shards.eot_id)
@@ -691,7 +853,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         train(parse_config(argv))
-    except (ConfigError, DataError, TrainingDiverged) as e:
+    except (ConfigError, DataError, TrainingDiverged, SaveFailed) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
         return 1

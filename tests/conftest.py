@@ -50,7 +50,7 @@ def tiny_args(corpus: Path, data_dir: Path, out_dir: Path, **overrides) -> list[
         eval_interval=3,
         log_interval=1,
         warmup_iters=2,
-        eval_rows=16,
+        eval_tokens=1024,
         sample_tokens=0,
     )
     settings.update(overrides)

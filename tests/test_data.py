@@ -1,106 +1,290 @@
-"""Corpora, tokenizer and shards (data.py): round trips, determinism, and errors that name the problem."""
+"""Corpora, tokenizer and shards (data.py): round trips in every input format, determinism, staleness,
+shards that split the stream anywhere, and errors that name the problem."""
 
+import gzip
+import hashlib
 import json
 import os
+import subprocess
+import sys
+from collections import Counter
 
 import numpy as np
 import pytest
+import torch
+from conftest import ROOT, make_documents
 
 import data
-from data import EOT_TEXT, DataError
+from data import EOT_TEXT, DataError, PackedBatches, PrepareSettings, TokenStream
+
+SMALL = PrepareSettings(vocab_size=300, val_fraction=0.25)
+QUIET = dict(log=lambda *_: None)
 
 
-def prepare_docs(tmp_path, docs: list[str], name: str = "c.jsonl", **kw):
-    corpus = tmp_path / name
-    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    return data.prepare(
-        str(corpus), str(tmp_path / "data"), vocab_size=300, val_fraction=0.25, log=lambda *_: None, **kw
-    )
+def write_jsonl(path, docs: list[str], field: str = "text") -> str:
+    path.write_text("".join(json.dumps({field: d}) + "\n" for d in docs))
+    return str(path)
+
+
+def prepare_docs(tmp_path, docs: list[str], name: str = "c.jsonl", settings: PrepareSettings = SMALL):
+    return data.prepare(write_jsonl(tmp_path / name, docs), str(tmp_path / "data"), settings, **QUIET)
+
+
+def documents(dataset: str, **kw) -> tuple[list[str], Counter]:
+    skipped = Counter()
+    return list(data.read_documents(data.resolve_dataset(dataset), skipped=skipped, **kw)), skipped
 
 
 def decoded_documents(path, split: str) -> list[str]:
     shards, enc = data.load_shards(path), data.load_tokenizer(path)
-    stream = getattr(shards, split)
+    stream = getattr(shards, split)[:]
     ends = np.flatnonzero(stream == shards.eot_id)
     starts = np.concatenate([[0], ends[:-1] + 1])
     return [enc.decode(stream[s:e].tolist()) for s, e in zip(starts, ends)]
 
 
-def test_prepare_round_trips_every_document(tmp_path):
+def spec_key(text: str, seed: int) -> tuple[int, float]:
+    """The rule, restated: a 16-byte BLAKE2b of the UTF-8 text keyed by the seed; its first 8 bytes order
+    the documents, its last 8 (as a fraction of 2**64) put a document in val when below val_fraction."""
+    digest = hashlib.blake2b(text.encode(), digest_size=16, key=seed.to_bytes(8, "little")).digest()
+    return int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little") / 2**64
+
+
+def shard_bytes(path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.glob("*.bin"))}
+
+
+def test_prepare_round_trips_every_document_and_splits_by_the_hash_rule(tmp_path):
     docs = [f"document {i}: " + "word " * (i % 17) for i in range(40)]
     path = prepare_docs(tmp_path, docs)
     train, val = decoded_documents(path, "train"), decoded_documents(path, "val")
-    assert sorted(train + val) == sorted(docs) and len(val) == 10
+    assert sorted(train + val) == sorted(docs)
+    # the rule: a document is in val when its seeded hash draw is below val_fraction
+    assert sorted(val) == sorted(d for d in docs if spec_key(d, SMALL.seed)[1] < 0.25)
+    assert 0 < len(val) < 40
     meta = json.loads((path / "meta.json").read_text())
-    assert meta["splits"]["train"]["documents"] == 30 and meta["eot_id"] == meta["vocab_size"] - 1 <= 299
+    assert meta["splits"]["train"]["documents"] == len(train) and meta["eot_id"] == meta["vocab_size"] - 1 <= 299
     assert meta["dtype"] == "uint16"
 
 
+def test_stream_order_is_a_seeded_shuffle_by_hash(tmp_path):
+    docs = [f"doc {i:03d} " + "x " * (i % 7) for i in range(60)]
+    path = prepare_docs(tmp_path, docs)
+    train = decoded_documents(path, "train")
+    keys = [spec_key(d, SMALL.seed)[0] for d in train]
+    assert keys == sorted(keys) and train != sorted(train)  # ordered by key, which is not file order
+
+
 def test_literal_endoftext_in_a_document_stays_text(tmp_path):
-    docs = [f"a {EOT_TEXT} b"] * 1 + [f"doc {i}" for i in range(7)]
+    docs = [f"a {EOT_TEXT} b"] * 1 + [f"doc {i}" for i in range(15)]
     path = prepare_docs(tmp_path, docs)
     shards = data.load_shards(path)
-    n_eot = int((shards.train == shards.eot_id).sum() + (shards.val == shards.eot_id).sum())
-    assert n_eot == 8  # one per document, none from the literal text
+    n_eot = int((shards.train[:] == shards.eot_id).sum() + (shards.val[:] == shards.eot_id).sum())
+    assert n_eot == 16  # one per document, none from the literal text
     assert f"a {EOT_TEXT} b" in decoded_documents(path, "train") + decoded_documents(path, "val")
 
 
 def test_preparation_is_deterministic(tmp_path):
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"doc {i} " + "x y z " * (i % 5)}) + "\n" for i in range(30)))
-    a, b = (data.prepare(str(corpus), str(tmp_path / d), vocab_size=300, log=lambda *_: None) for d in "ab")
-    for name in ("train.bin", "val.bin", "tokenizer.tiktoken", "meta.json"):
+    corpus = write_jsonl(tmp_path / "c.jsonl", [f"doc {i} " + "x y z " * (i % 5) for i in range(30)])
+    a, b = (data.prepare(corpus, str(tmp_path / d), SMALL, **QUIET) for d in "ab")
+    assert a.name == b.name
+    for name in ("train_000000.bin", "val_000000.bin", "tokenizer.tiktoken", "inputs.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
 def test_duplicates_and_empty_documents_are_dropped_and_counted(tmp_path):
-    docs = ["same"] * 3 + ["", "   \n"] + [f"d{i}" for i in range(6)]
+    docs = ["same"] * 3 + ["", "   \n"] + [f"d{i}" for i in range(12)]
     path = prepare_docs(tmp_path, docs)
     meta = json.loads((path / "meta.json").read_text())
     assert meta["skipped"]["duplicate"] == 2 and meta["skipped"]["empty"] == 2
-    assert sum(s["documents"] for s in meta["splits"].values()) == 7
+    assert sum(s["documents"] for s in meta["splits"].values()) == 13
 
 
-def test_directory_corpus_skips_and_counts_files_that_are_not_utf8(tmp_path):
+def test_directory_corpus_skips_and_counts_files_that_are_not_utf8_or_not_readable(tmp_path, monkeypatch):
     root = tmp_path / "corpus"
     root.mkdir()
     for i in range(5):
         (root / f"{i}.txt").write_text(f"file {i}")
     (root / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
-    docs, skipped = data.load_documents(str(root))
-    assert docs == [f"file {i}" for i in range(5)] and skipped["not_utf8"] == 1
+    (root / "locked.txt").write_text("secret")
+    (root / ".hidden").write_text("not a document")
+    real_read_bytes = type(root).read_bytes
+
+    def read_bytes(path):  # tests may run as root, for whom permissions do not apply
+        if path.name == "locked.txt":
+            raise PermissionError(13, "Permission denied")
+        return real_read_bytes(path)
+
+    monkeypatch.setattr(type(root), "read_bytes", read_bytes)
+    docs, skipped = documents(str(root))
+    assert docs == [f"file {i}" for i in range(5)] and skipped == {"not_utf8": 1, "unreadable": 1}
 
 
-def test_separated_text_corpus(tmp_path):
+def test_separated_text_corpus_is_read_in_chunks(tmp_path, monkeypatch):
     path = tmp_path / "docs.txt"
-    path.write_text(f"one{EOT_TEXT}two\n{EOT_TEXT}{EOT_TEXT}three")
-    docs, skipped = data.load_documents(str(path))
-    assert docs == ["one", "two\n", "three"] and skipped["empty"] == 1
+    path.write_text(f"one{EOT_TEXT}two\n{EOT_TEXT}{EOT_TEXT}thrée{EOT_TEXT}" + "four " * 10)
+    docs, skipped = documents(str(path))
+    assert docs == ["one", "two\n", "thrée", "four " * 10] and skipped["empty"] == 1
+    # read 3 bytes at a time: separators and multi-byte characters cut across chunks come out the same
+    real_open = open
+    monkeypatch.setattr(data, "open", lambda *a, **k: _SmallReads(real_open(*a, **k)), raising=False)
+    assert documents(str(path))[0] == docs
+
+
+class _SmallReads:
+    def __init__(self, f):
+        self.f = f
+
+    def read(self, n=-1):
+        return self.f.read(3)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
 
 
 def test_bad_jsonl_line_is_named(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n{"txt": "no"}\n')
-    with pytest.raises(DataError, match=r"bad.jsonl:2"):
-        data.load_documents(str(path))
+    with pytest.raises(DataError, match=r'bad.jsonl:2: expected a JSON object with a "text" field'):
+        documents(str(path))
 
 
-def test_missing_corpus_is_a_clear_error(tmp_path):
+def test_jsonl_with_a_byte_order_mark_and_an_upper_case_suffix(tmp_path):
+    path = tmp_path / "DOCS.JSONL"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"text": "first"}\n{"text": "second"}\n')
+    assert documents(str(path))[0] == ["first", "second"]
+
+
+def test_a_json_file_is_refused_with_a_hint(tmp_path):
+    path = tmp_path / "docs.json"
+    path.write_text('[{"text": "a"}]')
+    with pytest.raises(DataError, match=r"a .json file is not a corpus; give JSON Lines \(.jsonl\)"):
+        data.resolve_dataset(str(path))
+
+
+def test_missing_and_empty_datasets_are_clear_errors(tmp_path):
     with pytest.raises(DataError, match="not found"):
-        data.load_documents(str(tmp_path / "nowhere"))
+        data.resolve_dataset(str(tmp_path / "nowhere"))
+    with pytest.raises(DataError, match="dataset is empty"):
+        data.resolve_dataset("")
+    with pytest.raises(DataError, match="matches no files"):
+        data.resolve_dataset(str(tmp_path / "*.parquet"))
 
 
 def test_stdlib_corpus_is_split_into_top_level_definitions():
-    docs, _ = data.load_stdlib(split_definitions=True)
+    docs = list(data.stdlib_documents(split_definitions=True))
     assert len(docs) > 3000
     assert all(d.lstrip().startswith(("def ", "async def ", "class ", "@")) for d in docs)
 
 
+# ---- input formats: the same documents give the same shards, whatever holds them
+
+
+def _write_formats(folder, docs: list[str]) -> dict[str, str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    folder.mkdir()
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+    (folder / "c.jsonl").write_bytes(lines)
+    (folder / "c.jsonl.gz").write_bytes(gzip.compress(lines))
+    (folder / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    table = pa.table({"id": list(range(len(docs) + 1)), "text": docs[:5] + [None] + docs[5:]})
+    pq.write_table(table, folder / "c.parquet", row_group_size=7)  # several row groups, and a null
+    split = folder / "parts"
+    split.mkdir()
+    pq.write_table(pa.table({"text": docs[:20]}), split / "a.parquet")
+    (split / "b.jsonl.gz").write_bytes(
+        gzip.compress("".join(json.dumps({"text": d}) + "\n" for d in docs[20:]).encode())
+    )
+    return {
+        "jsonl": str(folder / "c.jsonl"),
+        "gz": str(folder / "c.jsonl.gz"),
+        "zst": str(folder / "c.jsonl.zst"),
+        "parquet": str(folder / "c.parquet"),
+        "directory": str(split),
+        "glob": str(split / "*.*"),
+    }
+
+
+def test_parquet_gz_zst_directory_and_glob_give_the_same_shards(tmp_path):
+    docs = make_documents(60, seed=3)
+    inputs = _write_formats(tmp_path / "corpus", docs)
+    prepared = {kind: data.prepare(path, str(tmp_path / "data"), SMALL, **QUIET) for kind, path in inputs.items()}
+    expected = shard_bytes(prepared["jsonl"])
+    assert len(expected) == 2
+    for kind, path in prepared.items():
+        assert shard_bytes(path) == expected, kind
+    assert sorted(decoded_documents(prepared["glob"], "train") + decoded_documents(prepared["glob"], "val")) == sorted(
+        docs
+    )
+    assert json.loads((prepared["parquet"] / "meta.json").read_text())["skipped"] == {"null": 1}
+
+
+def test_text_field_names_the_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl = write_jsonl(tmp_path / "c.jsonl", ["a b", "c d"], field="content")
+    assert documents(jsonl, text_field="content")[0] == ["a b", "c d"]
+    pq.write_table(pa.table({"content": ["x"]}), tmp_path / "c.parquet")
+    assert documents(str(tmp_path / "c.parquet"), text_field="content")[0] == ["x"]
+    with pytest.raises(DataError, match=r"has no column 'text' \(columns: content\); set --text_field="):
+        documents(str(tmp_path / "c.parquet"))
+
+
+def test_damaged_compressed_files_are_named(tmp_path):
+    good = gzip.compress(b'{"text": "a"}\n' * 1000)
+    (tmp_path / "cut.jsonl.gz").write_bytes(good[: len(good) // 2])
+    with pytest.raises(DataError, match=r"cut.jsonl.gz cannot be read to the end"):
+        documents(str(tmp_path / "cut.jsonl.gz"))
+    (tmp_path / "bad.jsonl.zst").write_bytes(b"not zstd at all")
+    with pytest.raises(DataError, match=r"bad.jsonl.zst cannot be read to the end"):
+        documents(str(tmp_path / "bad.jsonl.zst"))
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match=r"bad.parquet is not a readable parquet file"):
+        documents(str(tmp_path / "bad.parquet"))
+
+
+# ---- shards: rows that span shard files are the rows of one stream
+
+
+def test_token_stream_reads_across_parts_like_one_array():
+    rng = np.random.default_rng(0)
+    parts = [rng.integers(0, 1000, n).astype(np.uint16) for n in (5, 1, 17, 3)]
+    whole, stream = np.concatenate(parts), TokenStream(parts)
+    assert len(stream) == len(whole)
+    for start in range(len(whole)):
+        for stop in range(start, len(whole) + 2, 3):
+            assert np.array_equal(stream[start:stop], whole[start:stop])
+    index = rng.integers(0, len(whole), (4, 9))
+    assert np.array_equal(stream[index], whole[index])
+
+
+def test_small_shards_give_the_same_stream_and_batches_as_one_shard(tmp_path, monkeypatch):
+    docs = make_documents(200, seed=1)
+    one = prepare_docs(tmp_path, docs)
+    monkeypatch.setattr(data, "SHARD_TOKENS", 997)  # a prime: rows and documents cross shard ends anywhere
+    many = data.prepare(str(tmp_path / "c.jsonl"), str(tmp_path / "data_small"), SMALL, **QUIET)
+    a, b = data.load_shards(one), data.load_shards(many)
+    assert len(b.train.parts) > 3 and np.array_equal(a.train[:], b.train[:])
+    for packing in ("concat", "pad"):
+        x = PackedBatches(a.train, a.eot_id, 64, 8, packing, seed=5)
+        y = PackedBatches(b.train, b.eot_id, 64, 8, packing, seed=5)
+        for _ in range(3 * len(x.starts) // 8):  # several epochs
+            bx, by = x.next(), y.next()
+            assert all(torch.equal(getattr(bx, f), getattr(by, f)) for f in bx.__dataclass_fields__)
+
+
 def test_truncated_shard_is_detected_and_named(tmp_path):
     path = prepare_docs(tmp_path, [f"doc {i} text" for i in range(20)])
-    with open(path / "train.bin", "r+b") as f:
-        f.truncate(os.path.getsize(path / "train.bin") - 2)
-    with pytest.raises(DataError, match="train.bin is truncated"):
+    with open(path / "train_000000.bin", "r+b") as f:
+        f.truncate(os.path.getsize(path / "train_000000.bin") - 2)
+    with pytest.raises(DataError, match="train_000000.bin is truncated"):
         data.load_shards(path)
 
 
@@ -111,19 +295,153 @@ def test_tokenizer_mismatch_is_detected(tmp_path):
         data.load_shards(path)
 
 
+# ---- staleness: a changed corpus is prepared again, the same corpus never
+
+
+def test_a_changed_file_is_prepared_again_and_says_why(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    first = prepare_docs(tmp_path, make_documents(300, seed=1))
+    write_jsonl(corpus, make_documents(900, seed=2))
+    said = []
+    second = data.prepare(str(corpus), str(tmp_path / "data"), SMALL, log=said.append)
+    assert (
+        second != first
+        and sum(
+            json.loads((second / "meta.json").read_text())["splits"][s]["documents"]
+            for s in (
+                "train",
+                "val",
+            )
+        )
+        > 600
+    )
+    why = [line for line in said if "changed since" in line]
+    assert len(why) == 1 and f"{first}" in why[0] and "c.jsonl:" in why[0] and "bytes" in why[0]
+
+
+def test_an_unchanged_corpus_is_reused_under_any_spelling_of_its_path(tmp_path, monkeypatch):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write_jsonl(folder / "c.jsonl", make_documents(50))
+    first = data.prepare(str(folder / "c.jsonl"), str(tmp_path / "data"), SMALL, **QUIET)
+    (tmp_path / "link.jsonl").symlink_to(folder / "c.jsonl")
+    monkeypatch.chdir(folder)
+    said = []
+    for spelling in ("c.jsonl", "./c.jsonl", "../corpus/c.jsonl", str(tmp_path / "link.jsonl")):
+        assert data.prepare(spelling, str(tmp_path / "data"), SMALL, log=said.append) == first, spelling
+    assert said == []  # nothing prepared, nothing to say
+    # a folder and a glob that hold the same files are the same corpus too
+    glob_path = data.prepare(str(folder / "*.jsonl"), str(tmp_path / "data"), SMALL, **QUIET)
+    assert glob_path == data.prepare(str(folder), str(tmp_path / "data"), SMALL, **QUIET)
+    assert len(list((tmp_path / "data").glob("*/meta.json"))) == 2  # the single file, and the folder (or glob)
+
+
+def test_appended_documents_leave_every_split_assignment_alone(tmp_path):
+    old_docs = make_documents(200, seed=1)
+    first = prepare_docs(tmp_path, old_docs)
+    second = prepare_docs(tmp_path, old_docs + make_documents(300, seed=2))
+    assert second != first
+    for split in ("train", "val"):
+        assert set(decoded_documents(first, split)) <= set(decoded_documents(second, split)), split
+
+
+def test_a_prepared_folder_is_a_dataset(tmp_path):
+    path = prepare_docs(tmp_path, make_documents(30))
+    assert data.prepare(str(path), str(tmp_path / "elsewhere"), PrepareSettings(), **QUIET) == path
+
+
+def test_a_corpus_folder_holding_the_runs_own_outputs_skips_them(tmp_path):
+    root = tmp_path / "project"
+    root.mkdir()
+    (root / "a.txt").write_text("the only document")
+    (root / "data").mkdir()
+    (root / "data" / "stray.txt").write_text("not corpus")
+    (root / "out").mkdir()
+    (root / "out" / "metrics.jsonl").write_text('{"text": "not corpus"}\n')
+    source = data.resolve_dataset(str(root), exclude=(root / "data", root / "out"))
+    assert [p.name for p in source.files] == ["a.txt"]
+
+
+# ---- the tokenizer sample, interruption, concurrency, the command
+
+
+def test_bpe_trains_on_a_bounded_deterministic_sample_of_training_documents(tmp_path):
+    docs = make_documents(8000, seed=4)  # about 1.4M characters
+    settings = PrepareSettings(vocab_size=300, val_fraction=0.25, tokenizer_train_mb=1)
+    path = prepare_docs(tmp_path, docs, settings=settings)
+    trained_on = json.loads((path / "meta.json").read_text())["tokenizer_trained_on"]
+    train_chars = sum(map(len, decoded_documents(path, "train")))
+    assert 900_000 < trained_on["characters"] <= 1_000_000 < train_chars
+    sample = data._tokenizer_sample(data.resolve_dataset(str(tmp_path / "c.jsonl")), settings, 0, lambda *_: None)
+    assert sum(map(len, sample)) == trained_on["characters"]
+    keys = [spec_key(d, settings.seed) for d in sample]
+    assert all(draw >= 0.25 for _, draw in keys)  # training documents only
+    assert [k for k, _ in keys] == sorted(k for k, _ in keys)  # in key order
+    train_keys = sorted(spec_key(d, settings.seed)[0] for d in decoded_documents(path, "train"))
+    assert [k for k, _ in keys] == train_keys[: len(keys)]  # the smallest keys of the training documents
+
+
 def test_interrupted_preparation_leaves_no_valid_looking_shards(tmp_path, monkeypatch):
-    real_encode, calls = data.encode_documents, []
+    real_encode, calls = data._encode_batch, []
 
-    def encode_then_die(enc, docs):
+    def encode_then_die(*args):
         calls.append(1)
-        if len(calls) == 2:  # train.bin is written, val.bin is not
+        if len(calls) == 2:
             raise KeyboardInterrupt
-        return real_encode(enc, docs)
+        return real_encode(*args)
 
-    monkeypatch.setattr(data, "encode_documents", encode_then_die)
+    monkeypatch.setattr(data, "_encode_batch", encode_then_die)
+    monkeypatch.setattr(data, "SHARD_TOKENS", 500)
+    docs = make_documents(5000)  # two encoding batches (4096 documents each at most)
     with pytest.raises(KeyboardInterrupt):
-        prepare_docs(tmp_path, [f"doc {i}" for i in range(10)])
-    assert list((tmp_path / "data").iterdir()) == []  # nothing left behind, complete or not
-    monkeypatch.setattr(data, "encode_documents", real_encode)
-    path = prepare_docs(tmp_path, [f"doc {i}" for i in range(10)])
+        prepare_docs(tmp_path, docs)
+    assert [p.name for p in (tmp_path / "data").iterdir() if not p.name.endswith(".lock")] == []
+    monkeypatch.setattr(data, "_encode_batch", real_encode)
+    path = prepare_docs(tmp_path, docs)
     assert data.load_shards(path).meta["splits"]["val"]["documents"] > 0
+
+
+def test_leftovers_of_a_killed_preparation_are_removed(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_documents(40))
+    name = data.shard_dir_for(
+        str(tmp_path / "data"), data.resolve_dataset(corpus), SMALL, data.fingerprint(data.resolve_dataset(corpus))
+    ).name
+    leftover = tmp_path / "data" / f".{name}.tmp-999999"
+    leftover.mkdir(parents=True)
+    (leftover / "train_000000.bin").write_bytes(b"half")
+    assert data.prepare(corpus, str(tmp_path / "data"), SMALL, **QUIET).name == name
+    assert not leftover.exists()
+
+
+def test_two_processes_preparing_the_same_data_share_one_copy(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_documents(40000, seed=7))  # seconds to prepare: they overlap
+    command = [sys.executable, "data.py", corpus, f"--data_dir={tmp_path / 'data'}", "--tokenizer_vocab_size=300"]
+    procs = [
+        subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in "ab"
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    folders = [p for p in (tmp_path / "data").iterdir() if not p.name.endswith(".lock")]
+    assert len(folders) == 1 and (folders[0] / "meta.json").exists()
+    assert all(f"ready: {folders[0]}" in out for out, _ in outputs)
+
+
+def test_data_command_prepares_and_reports(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_documents(100))
+    command = [sys.executable, "data.py", corpus, f"--data_dir={tmp_path / 'data'}", "--tokenizer_vocab_size=300"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for expected in ("ready:", "train and", "val documents", "train tokens", "tokenizer bpe300", "tokens/s", "MB read"):
+        assert expected in result.stdout, expected
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "trained tokenizer" not in again.stdout and "ready:" in again.stdout
+    wrong = subprocess.run([*command, "--n_layer=3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 1 and wrong.stderr.startswith("error: n_layer is not a data setting")
+
+
+def test_progress_prints_rates_and_eta_as_plain_lines_off_a_terminal():
+    lines = []
+    progress = data.Progress("encoding", total_bytes=1000, log=lines.append, every=0)
+    progress.update(n_bytes=250, documents=10, tokens=400)
+    assert len(lines) == 1
+    assert all(part in lines[0] for part in ("encoding", "25.0%", "docs/s", "M tok/s", "ETA"))

@@ -19,7 +19,7 @@ def losses(out_dir) -> list[tuple]:
 
 
 def test_two_processes_match_one_with_doubled_accumulation(tiny_corpus, tmp_path):
-    common = dict(max_iters=6, eval_interval=3, batch_size=4, eval_rows=8)
+    common = dict(max_iters=6, eval_interval=3, batch_size=4, eval_tokens=512)
     one = tmp_path / "one"
     single = subprocess.run(
         [sys.executable, "train.py", *tiny_args(tiny_corpus, tmp_path / "data", one, grad_accum=2, **common)],

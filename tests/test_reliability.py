@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 import tiktoken
 import torch
-from conftest import ROOT, tiny_args
+from conftest import ROOT, make_documents, tiny_args
 
 import data
 import train
-from data import DataError
+from data import DataError, PrepareSettings
 from train import ConfigError, TrainingDiverged, parse_config
+
+SMALL = PrepareSettings(vocab_size=300)
 
 
 def records(out_dir):
@@ -48,7 +50,7 @@ def long_args(tiny_corpus, tmp_path_factory):
     reference = tmp_path_factory.mktemp("reference")
 
     def args(out_dir):  # 40 steps, a checkpoint every 3, dropout so that the RNG state matters
-        return tiny_args(tiny_corpus, data_dir, out_dir, max_iters=40, eval_interval=3, dropout=0.1, eval_rows=2)
+        return tiny_args(tiny_corpus, data_dir, out_dir, max_iters=40, eval_interval=3, dropout=0.1, eval_tokens=256)
 
     train.train(parse_config(args(reference)))
     return args, records(reference)
@@ -130,14 +132,14 @@ def test_empty_corpus(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="holds no non-empty documents"):
         data.prepare(str(tmp_path / "empty"), str(tmp_path / "data"), log=lambda *_: None)
-    assert not (tmp_path / "data").exists() or not any((tmp_path / "data").iterdir())
+    assert [p.name for p in (tmp_path / "data").iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_single_file_that_is_not_utf8(tmp_path):
     path = tmp_path / "docs.txt"
     path.write_bytes(b"caf\xe9 au lait")
     with pytest.raises(DataError, match=r"docs.txt is not UTF-8"):
-        data.load_documents(str(path))
+        list(data.read_documents(data.resolve_dataset(str(path))))
 
 
 def test_dataset_too_small_for_a_batch(tiny_corpus, tmp_path):
@@ -153,18 +155,18 @@ def test_dataset_too_small_for_the_validation_set(tmp_path):
 
 
 def test_corrupted_meta_json(tiny_corpus, tmp_path):
-    path = data.prepare(str(tiny_corpus), str(tmp_path / "data"), vocab_size=300, log=lambda *_: None)
+    path = data.prepare(str(tiny_corpus), str(tmp_path / "data"), SMALL, log=lambda *_: None)
     (path / "meta.json").write_text("{ not json")
     with pytest.raises(DataError, match="meta.json is corrupted"):
         data.load_shards(path)
 
 
 def test_shard_with_token_ids_outside_the_vocabulary(tiny_corpus, tmp_path):
-    path = data.prepare(str(tiny_corpus), str(tmp_path / "data"), vocab_size=300, log=lambda *_: None)
-    tokens = np.fromfile(path / "val.bin", dtype=np.uint16)
+    path = data.prepare(str(tiny_corpus), str(tmp_path / "data"), SMALL, log=lambda *_: None)
+    tokens = np.fromfile(path / "val_000000.bin", dtype=np.uint16)
     tokens[0] = 60000
-    tokens.tofile(path / "val.bin")
-    with pytest.raises(DataError, match="val.bin does not match its tokenizer"):
+    tokens.tofile(path / "val_000000.bin")
+    with pytest.raises(DataError, match="val_000000.bin does not match its tokenizer"):
         data.load_shards(path)
 
 
@@ -224,4 +226,218 @@ def test_tokenizer_that_needs_the_network_offline(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     with pytest.raises(DataError, match="Offline, use tokenizer='bpe' or a local .tiktoken file"):
-        data.make_tokenizer("gpt2", 0, [])
+        data.load_named_tokenizer("gpt2")
+
+
+# ---- round 2: no run overwritten, no output mixed, no traceback
+
+
+def run_cli(*args: str, cwd=ROOT, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300, **kw)
+
+
+def one_error_line(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error:") and sum(line.startswith("error:") for line in lines) == 1, result.stderr
+    assert all(f in lines[-1] for f in fragments), (fragments, lines[-1])
+
+
+def test_a_fresh_run_never_replaces_a_finished_one(tiny_corpus, tmp_path):
+    out = tmp_path / "run"
+    args = tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)
+    train.train(parse_config(args))
+    before = {name: (out / name).read_bytes() for name in ("ckpt.pt", "config.json", "metrics.jsonl")}
+    with pytest.raises(ConfigError, match=r"holds a run .*--resume=true.*another out_dir.*--overwrite=true"):
+        train.train(parse_config(args + ["--n_embd=64"]))
+    assert {name: (out / name).read_bytes() for name in before} == before
+    train.train(parse_config(args + ["--n_embd=64", "--overwrite=true"]))
+    assert torch.load(out / "ckpt.pt", weights_only=False)["config"]["n_embd"] == 64
+
+
+def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(long_args, tmp_path):
+    args, _ = long_args
+    out = tmp_path / "run"
+    first = start(args(out) + ["--max_iters=100000"])  # runs until killed
+    wait_for_step(out, 3, first)
+    second = run_cli("train.py", *args(out), "--overwrite=true")
+    one_error_line(second, "is in use by another run", f"process {first.pid}")
+    assert first.poll() is None
+    first.kill()  # the OS drops the lock with the process: resuming works at once
+    first.wait()
+    step = torch.load(out / "ckpt.pt", weights_only=False)["step"]
+    resumed = run_cli("train.py", *args(out), f"--max_iters={step + 2}", "--resume=true")
+    assert resumed.returncode == 0, resumed.stderr
+    assert records(out)[-1]["step"] == step + 2
+
+
+def test_a_preparation_in_progress_is_waited_for(tiny_corpus, tmp_path):
+    data_dir = tmp_path / "data"
+    source = data.resolve_dataset(str(tiny_corpus))
+    name = data.shard_dir_for(str(data_dir), source, SMALL, data.fingerprint(source)).name
+    data_dir.mkdir()
+    with data.exclusive_lock(data_dir / f".{name}.lock"):
+        waiting = subprocess.Popen(
+            [sys.executable, "data.py", str(tiny_corpus), f"--data_dir={data_dir}", "--tokenizer_vocab_size=300"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        first_line = waiting.stdout.readline()
+        assert first_line.startswith(f"data: waiting for process {os.getpid()}, which is preparing")
+        assert waiting.poll() is None
+    stdout, stderr = waiting.communicate(timeout=300)
+    assert waiting.returncode == 0 and f"ready: {data_dir / name}" in stdout, stderr
+
+
+def test_sampling_works_from_anywhere_and_from_a_copied_run_folder(tiny_corpus, tmp_path):
+    out = tmp_path / "run"
+    train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = run_cli(str(ROOT / "sample.py"), f"--out_dir={out}", "--max_new_tokens=5", cwd=elsewhere)
+    assert result.returncode == 0 and "--- sample 1" in result.stdout, result.stderr
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    (copied / "ckpt.pt").write_bytes((out / "ckpt.pt").read_bytes())
+    import shutil
+
+    shutil.rmtree(tmp_path / "data")  # the shards and their tokenizer are gone: the checkpoint holds its own
+    result = run_cli("sample.py", f"--out_dir={copied}", "--max_new_tokens=5")
+    assert result.returncode == 0 and "--- sample 1" in result.stdout, result.stderr
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_the_old_one(tiny_corpus, tmp_path):
+    import resource
+
+    out = tmp_path / "run"
+    args = tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)
+    train.train(parse_config(args))  # data prepared and a first checkpoint written, without a limit
+    old = (out / "ckpt.pt").read_bytes()
+    limit = len(old) // 2
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    result = run_cli("train.py", *args, "--max_iters=4", "--resume=true", preexec_fn=small_files)
+    one_error_line(result, "could not save the checkpoint", "the previous checkpoint is kept")
+    assert (out / "ckpt.pt").read_bytes() == old and not (out / "ckpt.pt.tmp").exists()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"YQ== 0\nYQ== 1\n", "appears twice"),
+        (b"YQ== -1\n", "ranks must be 0..0"),
+        (b"YQ== 0\nYg== 5\n", "ranks must be 0..1"),
+        (b"YQ== 0\n", "single bytes are not tokens"),
+        (b"not base64 at all\n", "not a .tiktoken file"),
+    ],
+    ids=["duplicate", "negative", "gap", "missing-bytes", "garbage"],
+)
+def test_bad_tiktoken_files_are_named(tmp_path, content, message):
+    path = tmp_path / "bad.tiktoken"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        data.read_tiktoken_file(path)
+
+
+def test_non_finite_and_out_of_range_settings_are_refused_before_anything_else(tmp_path):
+    for bad, message in [
+        ("--lr=nan", "lr=nan: must be a finite number"),
+        ("--lr=inf", "lr=inf: must be a finite number"),
+        ("--dropout=nan", "dropout=nan: must be a finite number"),
+        ("--seed=-1", "seed=-1: must be at least 0"),
+        ("--data_seed=99999999999999999999", "data_seed=99999999999999999999: must be at most"),
+        ("--tokenizer_vocab_size=70000", "tokenizer_vocab_size=70000: must be at most 65536"),
+        ("--out_dir=", "out_dir is empty"),
+        ("--data_dir=", "data_dir is empty"),
+        ("--device=meta", "device='meta'"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            parse_config([bad, "--resume=true", f"--out_dir={tmp_path / 'none'}"] if "out_dir" not in bad else [bad])
+
+
+def test_a_model_too_large_for_the_machine_is_refused(tiny_corpus, tmp_path):
+    with pytest.raises(ConfigError, match=r"needs about .* GB .* this machine has"):
+        train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "o", n_embd=200_000)))
+
+
+def test_config_files_that_are_folders_or_not_utf8(tmp_path):
+    with pytest.raises(ConfigError, match="is a folder, not a config file"):
+        parse_config([str(tmp_path)])
+    (tmp_path / "latin1.toml").write_bytes(b'dataset = "caf\xe9"\n')
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        parse_config([str(tmp_path / "latin1.toml")])
+
+
+def test_foreign_and_truncated_checkpoints(tiny_corpus, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    torch.save({"weights": torch.zeros(3)}, out / "ckpt.pt")
+    args = tiny_args(tiny_corpus, tmp_path / "data", out)
+    with pytest.raises(ConfigError, match="not a checkpoint written by train.py"):
+        train.train(parse_config(args + ["--resume=true"]))
+    one_error_line(run_cli("sample.py", f"--out_dir={out}"), "not a checkpoint written by train.py")
+    real = tmp_path / "real"
+    train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", real, max_iters=1, eval_interval=1)))
+    (out / "ckpt.pt").write_bytes((real / "ckpt.pt").read_bytes()[:5000])
+    one_error_line(run_cli("sample.py", f"--out_dir={out}"), "not a readable checkpoint")
+    one_error_line(run_cli("sample.py", f"--out_dir={real}", "--device=cuda:0"), "CUDA is not available")
+    one_error_line(run_cli("sample.py", f"--out_dir={real}", "--num_samples=x"), "--num_samples")
+
+
+def test_resuming_to_fewer_steps_than_the_checkpoint_is_refused(tiny_corpus, tmp_path):
+    out = tmp_path / "run"
+    args = tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=4, eval_interval=2)
+    train.train(parse_config(args))
+    with pytest.raises(ConfigError, match=r"ckpt.pt is at step 4, past max_iters=2"):
+        train.train(parse_config(args + ["--max_iters=2", "--resume=true"]))
+
+
+def test_data_dir_that_is_a_file_is_refused_before_reading_the_corpus(tiny_corpus, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(DataError, match="data_dir .* is not a writable folder"):
+        train.train(parse_config(tiny_args(tiny_corpus, blocker, tmp_path / "o")))
+
+
+def test_a_dataset_folder_that_holds_the_runs_outputs_skips_them(tmp_path, monkeypatch, capsys):
+    project = tmp_path / "project"
+    project.mkdir()
+    for i, doc in enumerate(make_documents(400)):
+        (project / f"{i}.py").write_text(doc)
+    monkeypatch.chdir(project)
+    train.train(parse_config(tiny_args(".", "data", "out", max_iters=1, eval_interval=1)))
+    # out/ now holds ckpt.pt, config.json and metrics.jsonl: were they corpus, the data would change and
+    # the resumed run would stop on a tokenizer mismatch
+    train.train(parse_config(tiny_args(".", "data", "out", max_iters=2, eval_interval=1) + ["--resume=true"]))
+    assert "changed since" not in capsys.readouterr().out
+    (meta,) = (project / "data").glob("*/meta.json")
+    assert sum(s["documents"] for s in json.loads(meta.read_text())["splits"].values()) == 400
+    with pytest.raises(ConfigError, match="dataset is empty"):
+        parse_config(["--dataset="])
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ("seeds = [1]", "seeds=[1]: expected a whole number of seeds"),
+        ("probe_offsets = 8", "probe_offsets=8: expected a list of token counts"),
+        ('probe_offsets = ["a"]', "probe_offsets=['a']: expected a list of token counts"),
+        ("out_dir = 5", "out_dir=5: expected a folder name"),
+        ('out_dir = ""', "out_dir='': expected a folder name"),
+        ("probe_docs = 0", "probe_docs=0: must be at least 1"),
+    ],
+)
+def test_ablate_settings_of_the_wrong_type(tmp_path, table, message):
+    config = tmp_path / "c.toml"
+    config.write_text(f"[ablate]\n{table}\n")
+    one_error_line(run_cli("ablate.py", str(config)), message)
+
+
+def test_bench_checks_its_arguments_before_it_runs(tmp_path):
+    one_error_line(run_cli("bench.py", "--seq_lens=0"), "--seq_lens")
+    one_error_line(run_cli("bench.py", "--doc_len=0"), "--doc_len")
+    one_error_line(run_cli("bench.py", f"--out={tmp_path}"), "is a folder")
