@@ -495,7 +495,7 @@ class Progress:
         if time.time() - self.last >= self.every:
             self._show()
 
-    def _show(self, end: str = "") -> None:
+    def _show(self) -> None:
         self.last = now = time.time()
         elapsed = max(now - self.start, 1e-9)
         fraction = min(1.0, self.bytes / self.total)
@@ -504,10 +504,10 @@ class Progress:
             f"data: {self.phase} {fraction:6.1%} | {self.bytes / 1e9:.2f} of {self.total / 1e9:.2f} GB | "
             f"{self.documents / elapsed:,.0f} docs/s"
             + (f" | {self.tokens / elapsed / 1e6:.2f}M tok/s" if self.tokens else "")
-            + (f" | ETA {_duration(eta)}" if math.isfinite(eta) else "")
+            + (f" | ETA {format_duration(eta)}" if math.isfinite(eta) else "")
         )
         if self.tty:
-            print(f"\r{line}\033[K", end=end, flush=True)
+            print(f"\r{line}\033[K", end="", flush=True)
         else:
             self.log(line)
 
@@ -516,7 +516,7 @@ class Progress:
             print("\r\033[K", end="", flush=True)
 
 
-def _duration(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
     seconds = int(seconds)
     return (
         f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"

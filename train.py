@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import data
-from data import IGNORE_INDEX, Batch, DataError, PackedBatches
+from data import IGNORE_INDEX, Batch, DataError, PackedBatches, format_duration
 from model import GPT, GPTConfig, use_flex
 
 MAX_SEED = 2**63 - 1  # what torch, numpy and the data hash all take
@@ -565,13 +565,6 @@ class MetricsLog:
     def __exit__(self, *exc) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return (
-        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-    )
 
 
 class StopRequest:
