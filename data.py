@@ -1237,7 +1237,7 @@ def main(argv: list[str]) -> int:
     import train  # the settings, their defaults and their checks are train.py's
 
     if any(a in ("-h", "--help") for a in argv):
-        print(train.help_text(DATA_KEYS, usage=__doc__.split("\n\n")[0]))
+        print(train.help_text(DATA_KEYS, usage="\n\n".join(__doc__.split("\n\n")[:2])))
         return 0
     args = list(argv)
     config = [args.pop(0)] if args and args[0].endswith(".toml") else []
