@@ -19,7 +19,6 @@ process's maximum resident set size, as the OS reports it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -150,7 +149,9 @@ def prepare(dataset: Path, data_dir: Path, tokenizer: str = "bpe") -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    import train  # its ArgumentParser reports a bad argument in one line, like every script here
+
+    parser = train.ArgumentParser(description=__doc__)
     parser.add_argument("--gb", type=float, default=2.0, help="size of the corpus in GB of text (characters)")
     parser.add_argument("--work_dir", default="bench_data_work", help="where the corpora and shards are written")
     parser.add_argument("--out", default="bench_data.json", help="where the results are written (JSON)")

@@ -445,3 +445,18 @@ def test_progress_prints_rates_and_eta_as_plain_lines_off_a_terminal():
     progress.update(n_bytes=250, documents=10, tokens=400)
     assert len(lines) == 1
     assert all(part in lines[0] for part in ("encoding", "25.0%", "docs/s", "M tok/s", "ETA"))
+
+
+def test_data_benchmark_runs_at_a_tiny_size(tmp_path):
+    out = tmp_path / "bench_data.json"
+    command = [sys.executable, "bench_data.py", "--gb=0.002", f"--work_dir={tmp_path / 'work'}", f"--out={out}"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for run in ("bpe", "jsonl", "parquet", "half_jsonl", "half_parquet"):
+        assert report[f"prepare_{run}"]["tokens"] > 0 and report[f"prepare_{run}"]["peak_rss_gb"] > 0, run
+    # every full-size preparation writes the same tokens, whatever the format
+    assert len({report[f"prepare_{run}"]["tokens"] for run in ("bpe", "jsonl", "parquet")}) == 1
+    assert "| prepare parquet |" in result.stdout and report["raw_tiktoken"]["tokens"] > 0
+    bad = subprocess.run([sys.executable, "bench_data.py", "--gb=0"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1
