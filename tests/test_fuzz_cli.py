@@ -147,7 +147,6 @@ def test_train_cli(sandbox, data):
     out_dir = sandbox / "runs" / f"r{len(TRIED.get('train', ()))}"
     argv = train_base(sandbox, out_dir) + [f"--{k}={v}" for k, v in changes]
     allowed = folders(value_of(argv, "out_dir"), value_of(argv, "data_dir"))
-    os.environ["WANDB_MODE"] = "disabled"
     code, _ = run("train", train.main, argv, sandbox, allowed)
     if code == 0 and value_of(argv, "max_iters") not in ("0",):
         assert (sandbox / value_of(argv, "out_dir") / "ckpt.pt").is_file()
