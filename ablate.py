@@ -27,7 +27,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import data
 import train
@@ -170,12 +169,9 @@ def doc_loss_in_rows(
         for r, (p, d) in enumerate(zip(prefixes[i : i + 32], docs[i : i + 32])):
             own[r, len(p) : len(p) + len(d) - 1] = True  # targets inside the document, predicted from it
         b = b.to(device)
-        targets = b.targets.masked_fill(~own.to(device), IGNORE_INDEX)
+        b.targets = b.targets.masked_fill(~own.to(device), IGNORE_INDEX)
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(b.inputs, b.doc_ids, b.position_ids).float()
-        total += F.cross_entropy(
-            logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        ).item()
+            total += train.token_losses(model, b, model.config).sum().item()
         count += int(own.sum())
     return total / count
 

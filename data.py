@@ -1180,16 +1180,18 @@ class PackedBatches:
             return np.arange(len(self.starts))
         return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.starts))
 
-    def batch(self, rows: np.ndarray) -> Batch:
+    def batch(self, rows: np.ndarray, n_empty: int = 0) -> Batch:
+        """These rows, then n_empty empty rows (all EOT inputs, no counted target)."""
+        empty = np.zeros(n_empty, dtype=np.int64)
         return make_batch(
             self.stream,
-            self.starts[rows],
-            self.n_real[rows],
+            np.concatenate([self.starts[rows], empty]),
+            np.concatenate([self.n_real[rows], empty]),
             self.seq_len,
             self.eot_id,
             self.reset_position_ids,
             self.mask_boundary_loss,
-            self.offsets[rows],
+            np.concatenate([self.offsets[rows], empty]),
         )
 
     def next(self) -> Batch:
@@ -1204,10 +1206,12 @@ class PackedBatches:
         return self.batch(self._order[first : first + self.batch_size])
 
     def all_batches(self):
-        """Every row in order (evaluation), in batches; the last batch may be smaller."""
+        """Every row in order (evaluation), in batches of batch_size rows. The last is filled up with empty
+        rows, so a compiled model sees one shape and never recompiles."""
         n = len(self.starts)
         for i in range(0, n, self.batch_size):
-            yield self.batch(self._order[i : min(i + self.batch_size, n)])
+            rows = self._order[i : min(i + self.batch_size, n)]
+            yield self.batch(rows, n_empty=self.batch_size - len(rows))
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor}

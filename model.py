@@ -1,18 +1,21 @@
 """A nanoGPT-style GPT for packed documents: pre-LayerNorm blocks, GELU MLP, tied embeddings,
 learned-absolute or rotary positions taken from explicit position ids.
 
-All attention masking lives in one place, `attention_mask`: it is built once per forward from the
-document ids and shared by every layer.
+All attention masking lives in one place, `attention_mask`: the caller builds it once per batch from
+the document ids and passes it to the forward, where every layer shares it.
   - doc_mask on, CUDA:  a FlexAttention BlockMask (block-sparse: tiles between documents are skipped)
   - doc_mask on, CPU:   a dense boolean mask for SDPA (FlexAttention has no backward on CPU)
   - doc_mask off:       None, meaning plain causal attention (SDPA is_causal) across documents
+The mask is built outside the model, not in its forward, so that a compiled model is one graph: a mask
+built in the forward must be kept out of torch.compile, which splits the graph in two (torchtitan also
+builds masks in the trainer). Given targets, the forward returns the loss, computed inside the same
+compiled graph as the output layer, so the (B, T, vocab) logits are never copied to float32.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.nn as nn
@@ -58,30 +61,30 @@ def document_causal_block_mask(doc_ids: torch.Tensor) -> BlockMask:
         return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
 
     B, T = doc_ids.shape
-    build = _compiled_create_block_mask() if doc_ids.is_cuda else create_block_mask
+    build = compiled_create_block_mask if doc_ids.is_cuda else create_block_mask
     return build(document_causal, B=B, H=None, Q_LEN=T, KV_LEN=T, device=doc_ids.device)
 
 
-@lru_cache(maxsize=None)
-def _compiled_create_block_mask():
-    return torch.compile(create_block_mask)
-
-
-@lru_cache(maxsize=None)
-def compiled_flex_attention():
-    return torch.compile(flex_attention, dynamic=False)
+# torch.compile is lazy: nothing compiles until the first call. Inside a compiled model, a call of
+# compiled_flex_attention is inlined into the model's graph (and its own options are ignored).
+compiled_create_block_mask = torch.compile(create_block_mask)
+compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
 
 AttentionMask = BlockMask | torch.Tensor | None
+
+# FlexAttention kernel_options on CUDA. Empty: PyTorch's defaults, which none of the settings timed on an
+# H200 beat (README, experiment log). `python bench.py --flex_kernel_options=...` times others.
+FLEX_KERNEL_OPTIONS: dict = {}
 
 
 def use_flex(config: GPTConfig, device: torch.device) -> bool:
     return config.attn_impl == "flex" or (config.attn_impl == "auto" and device.type == "cuda")
 
 
-@torch.compiler.disable  # built eagerly (its own compiled kernel on CUDA), outside a compiled model's graph
 def attention_mask(doc_ids: torch.Tensor, config: GPTConfig) -> AttentionMask:
-    """The doc_mask flag: its whole effect is this function."""
+    """The doc_mask flag: its whole effect is this function. Call it once per batch, outside the
+    compiled model, and pass the result to GPT.forward."""
     if not config.doc_mask:
         return None
     if use_flex(config, doc_ids.device):
@@ -93,7 +96,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if isinstance(mask, BlockMask):
-        return compiled_flex_attention()(q, k, v, block_mask=mask)  # eager flex is only a slow reference
+        options = FLEX_KERNEL_OPTIONS if q.is_cuda else None
+        # compiled even in an eager model: eager flex is only a slow reference (inlined in a compiled model)
+        return compiled_flex_attention(q, k, v, block_mask=mask, kernel_options=options)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -188,8 +193,16 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, vocab) for token ids, document ids and position ids, all (B, T)."""
+    def forward(
+        self,
+        idx: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: AttentionMask,
+        targets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token ids and position ids are (B, T); `mask` comes from `attention_mask`. Returns the logits
+        (B, T, vocab), or, given targets (B, T), each token's cross-entropy in float32 (B, T), 0 where the
+        target is -100 (ignored)."""
         if idx.shape[1] > self.config.seq_len:
             raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than seq_len {self.config.seq_len}")
         x = self.wte(idx)
@@ -199,10 +212,13 @@ class GPT(nn.Module):
         else:
             rope = (self.rope_cos[position_ids][:, None], self.rope_sin[position_ids][:, None])
         x = self.drop(x)
-        mask = attention_mask(doc_ids, self.config)  # once per forward, shared by all layers
         for block in self.blocks:
             x = block(x, mask, rope)
-        return self.lm_head(self.ln_f(x))
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none")
+        return losses.view_as(targets)
 
     @torch.no_grad()
     def generate(
@@ -214,11 +230,13 @@ class GPT(nn.Module):
         stop_token: int | None = None,
     ) -> torch.Tensor:
         """Sample one document continuation from (1, T0) ids; the context is the last seq_len tokens,
-        at positions 0.. as at training time for a row that starts mid-document."""
+        at positions 0.. as at training time for a row that starts mid-document. One document needs only
+        causal attention (mask None: SDPA is_causal), whose kernel takes any length: a BlockMask would be
+        rebuilt, and compiled FlexAttention recompiled, for every new length."""
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.seq_len :]
             positions = torch.arange(context.shape[1], device=idx.device).expand_as(context)
-            logits = self(context, torch.zeros_like(context), positions)[:, -1].float()
+            logits = self(context, positions, None)[:, -1].float()
             if temperature == 0:
                 next_id = logits.argmax(-1, keepdim=True)
             else:

@@ -30,12 +30,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import data
 from data import IGNORE_INDEX, Batch, DataError, PackedBatches, format_duration
-from model import GPT, GPTConfig, use_flex
+from model import GPT, GPTConfig, attention_mask, use_flex
 
 MAX_SEED = 2**63 - 1  # what torch, numpy and the data hash all take
 
@@ -354,16 +353,17 @@ def make_optimizer(model: GPT, cfg: Config, device: torch.device) -> torch.optim
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
 
 
-def summed_loss(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of per-token cross-entropy over counted targets, number of counted targets)."""
-    logits = model(batch.inputs, batch.doc_ids, batch.position_ids)
-    loss = F.cross_entropy(
-        logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    return loss, (batch.targets != IGNORE_INDEX).sum()
+def token_losses(model: torch.nn.Module, batch: Batch, config: GPTConfig) -> torch.Tensor:
+    """Each token's cross-entropy (B, T), 0 where the target is not counted. The one loss of this repo:
+    training sums it, evaluation also reads it by position. The attention mask is built here, once per
+    batch and outside the (compiled) model, from the batch's document ids."""
+    mask = attention_mask(batch.doc_ids, config)
+    return model(batch.inputs, batch.position_ids, mask, batch.targets)
 
 
-def accumulate_gradients(model: torch.nn.Module, micro_batches: list[Batch], autocast) -> torch.Tensor:
+def accumulate_gradients(
+    model: torch.nn.Module, micro_batches: list[Batch], autocast, config: GPTConfig
+) -> torch.Tensor:
     """Backward over all micro-batches of one step; returns the step's mean loss. The loss is normalised
     by the counted targets of the whole step (on every process), so every target weighs the same
     however they fall into micro-batches and processes."""
@@ -378,8 +378,7 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: list[Batch], aut
         # DDP averages gradients over processes at the last backward; the others skip that all-reduce
         with nullcontext() if last or world_size == 1 else model.no_sync():
             with autocast:
-                loss_sum, _ = summed_loss(model, batch)
-            loss = loss_sum / n_counted
+                loss = token_losses(model, batch, config).sum() / n_counted
             (loss * world_size).backward()  # undo DDP's average: the loss is already a global mean
         total += loss.detach()
     if world_size > 1:
@@ -389,7 +388,13 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: list[Batch], aut
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, val: data.TokenStream | np.ndarray, eot_id: int, cfg: Config, device: torch.device, autocast
+    model: torch.nn.Module,
+    model_config: GPTConfig,
+    val: data.TokenStream | np.ndarray,
+    eot_id: int,
+    cfg: Config,
+    device: torch.device,
+    autocast,
 ) -> dict:
     """On `val`, the fixed validation subset (whole documents):
     val_loss: packed rows under this run's packing and flags.
@@ -407,19 +412,17 @@ def evaluate(
     alone = PackedBatches(packing="pad", split="val", **common)
     total, count = torch.zeros((), device=device), torch.zeros((), device=device)
     for batch in packed.all_batches():
+        batch = batch.to(device)
         with autocast:
-            loss_sum, n = summed_loss(model, batch.to(device))
-        total, count = total + loss_sum, count + n
+            total += token_losses(model, batch, model_config).sum()
+        count += (batch.targets != IGNORE_INDEX).sum()
     doc_total, doc_count = torch.zeros((), device=device), torch.zeros((), device=device)
     by_pos_sum = torch.zeros(cfg.seq_len, device=device)
     by_pos_count = torch.zeros(cfg.seq_len, device=device)
     for batch in alone.all_batches():
         batch = batch.to(device)
         with autocast:
-            logits = model(batch.inputs, batch.doc_ids, batch.position_ids)
-        losses = F.cross_entropy(
-            logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-        )
+            losses = token_losses(model, batch, model_config).flatten()
         counted = batch.targets.flatten() != IGNORE_INDEX
         doc_total, doc_count = doc_total + losses.sum(), doc_count + counted.sum()
         early = counted & (batch.doc_positions.flatten() < cfg.seq_len)  # later chunks of long documents
@@ -768,7 +771,7 @@ def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dic
             for group in optimizer.param_groups:
                 group["lr"] = lr
             micro_batches = [train_batches.next().to(device) for _ in range(cfg.grad_accum)]
-            loss = accumulate_gradients(step_model, micro_batches, autocast)
+            loss = accumulate_gradients(step_model, micro_batches, autocast, model_config)
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
@@ -810,7 +813,8 @@ def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dic
             if should_eval:
                 t_eval = time.time()
                 if main_process:  # the unwrapped model: a DDP forward on one process alone would hang
-                    result = {"step": step, **evaluate(compiled_model, val, shards.eot_id, cfg, device, autocast)}
+                    metrics = evaluate(compiled_model, model_config, val, shards.eot_id, cfg, device, autocast)
+                    result = {"step": step, **metrics}
                     if not (math.isfinite(result["val_loss"]) and math.isfinite(result["val_doc_loss"])):
                         raise TrainingDiverged(
                             f"validation loss is non-finite at step {step}; "

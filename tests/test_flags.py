@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from data import IGNORE_INDEX, make_batch
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, attention_mask
 
 EOT = 63
 T = 24
@@ -40,9 +40,9 @@ def test_doc_mask_off_changes_only_what_later_documents_see():
     config = GPTConfig(vocab_size=64, seq_len=T, n_layer=2, n_head=2, n_embd=32)
     model = GPT(config).eval()
     with torch.no_grad():
-        masked = model(b.inputs, b.doc_ids, b.position_ids)
+        masked = model(b.inputs, b.position_ids, attention_mask(b.doc_ids, config))
         config.doc_mask = False
-        causal = model(b.inputs, b.doc_ids, b.position_ids)
+        causal = model(b.inputs, b.position_ids, attention_mask(b.doc_ids, config))
     first_doc = b.doc_ids == 0
     assert torch.allclose(masked[first_doc], causal[first_doc], atol=1e-6)  # nothing earlier to see
     assert not torch.allclose(masked[~first_doc], causal[~first_doc], atol=1e-3)

@@ -1,13 +1,13 @@
-"""The invariants that define a correct packed-document GPT (FIELD_NOTES section 2), each written so
-that it fails when the thing it protects is switched off."""
+"""The invariants that define a correct packed-document GPT, each written so that it fails when the
+thing it protects is switched off."""
 
 import numpy as np
 import pytest
 import torch
 
 from data import IGNORE_INDEX, make_batch
-from model import GPT, GPTConfig
-from train import accumulate_gradients, summed_loss
+from model import GPT, GPTConfig, attention_mask
+from train import accumulate_gradients, token_losses
 
 EOT = 63
 T = 32
@@ -36,7 +36,11 @@ def alone(doc: np.ndarray):
 
 def logits(model: GPT, batch) -> torch.Tensor:
     with torch.no_grad():
-        return model(batch.inputs, batch.doc_ids, batch.position_ids)
+        return model(batch.inputs, batch.position_ids, attention_mask(batch.doc_ids, model.config))
+
+
+def summed_loss(model: GPT, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    return token_losses(model, batch, model.config).sum(), (batch.targets != IGNORE_INDEX).sum()
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
@@ -122,11 +126,11 @@ def test_gradient_accumulation_normalises_by_counted_targets_of_the_whole_step()
     micro = [packed(short), packed(long)]
     assert (micro[0].targets != IGNORE_INDEX).sum() * 5 < (micro[1].targets != IGNORE_INDEX).sum()
     model = tiny_gpt("learned")
-    accumulated = accumulate_gradients(model, micro, torch.autocast("cpu", enabled=False))
+    accumulated = accumulate_gradients(model, micro, torch.autocast("cpu", enabled=False), model.config)
     grads_accumulated = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     both = type(micro[0])(*(torch.cat([getattr(m, f) for m in micro]) for f in micro[0].__dataclass_fields__))
-    whole = accumulate_gradients(model, [both], torch.autocast("cpu", enabled=False))
+    whole = accumulate_gradients(model, [both], torch.autocast("cpu", enabled=False), model.config)
     assert torch.allclose(accumulated, whole, rtol=1e-5)
     for g, p in zip(grads_accumulated, model.parameters()):
         assert torch.allclose(g, p.grad, atol=1e-6)

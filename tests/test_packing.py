@@ -1,4 +1,4 @@
-"""Packing semantics (data.py), pinned down against the spec in the README / FIELD_NOTES section 1."""
+"""Packing semantics (data.py), pinned down against the spec in the README, section "The three flags"."""
 
 import numpy as np
 import pytest

@@ -9,20 +9,22 @@ from hypothesis import strategies as st
 from test_packing import reference_semantics
 
 from data import IGNORE_INDEX, make_batch, pad_rows
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, attention_mask
 
 EOT = 63
 T = 32
 MODELS = {}
 
 
-def model(pos_emb: str, doc_mask: bool) -> GPT:
+def logits(pos_emb: str, doc_mask: bool):
+    """A function (inputs, doc_ids, position_ids) -> logits of one small model per setting."""
     if (pos_emb, doc_mask) not in MODELS:
         torch.manual_seed(0)
         MODELS[pos_emb, doc_mask] = GPT(
             GPTConfig(vocab_size=64, seq_len=T, n_layer=2, n_head=2, n_embd=32, pos_emb=pos_emb, doc_mask=doc_mask)
         ).eval()
-    return MODELS[pos_emb, doc_mask]
+    model = MODELS[pos_emb, doc_mask]
+    return lambda inputs, doc_ids, position_ids: model(inputs, position_ids, attention_mask(doc_ids, model.config))
 
 
 @st.composite
@@ -78,10 +80,10 @@ def test_each_segment_of_a_row_matches_itself_alone_with_the_doc_mask(layout, po
     stream, start = layout
     b = row(stream, start)
     with torch.no_grad():
-        packed = model(pos_emb, True)(b.inputs, b.doc_ids, b.position_ids)
+        packed = logits(pos_emb, True)(b.inputs, b.doc_ids, b.position_ids)
         for s, e in segments(b.doc_ids):
             alone = b.inputs[:, s:e]
-            expected = model(pos_emb, True)(alone, torch.zeros_like(alone), torch.arange(e - s)[None])
+            expected = logits(pos_emb, True)(alone, torch.zeros_like(alone), torch.arange(e - s)[None])
             assert torch.allclose(packed[:, s:e], expected, atol=1e-5)
 
 
@@ -91,8 +93,8 @@ def test_rope_with_the_doc_mask_ignores_the_position_reset(layout):
     stream, start = layout
     on, off = row(stream, start), row(stream, start, reset_position_ids=False)
     with torch.no_grad():
-        a = model("rope", True)(on.inputs, on.doc_ids, on.position_ids)
-        b = model("rope", True)(off.inputs, off.doc_ids, off.position_ids)
+        a = logits("rope", True)(on.inputs, on.doc_ids, on.position_ids)
+        b = logits("rope", True)(off.inputs, off.doc_ids, off.position_ids)
     assert torch.allclose(a, b, atol=1e-5)
 
 
@@ -106,8 +108,8 @@ def test_changing_one_segment_leaves_the_others_alone(layout, pos_emb, draw):
     changed = b.inputs.clone()
     changed[0, s:e] = torch.where(changed[0, s:e] == EOT, EOT, (changed[0, s:e] + 1) % EOT)
     with torch.no_grad():
-        before = model(pos_emb, True)(b.inputs, b.doc_ids, b.position_ids)
-        after = model(pos_emb, True)(changed, b.doc_ids, b.position_ids)
+        before = logits(pos_emb, True)(b.inputs, b.doc_ids, b.position_ids)
+        after = logits(pos_emb, True)(changed, b.doc_ids, b.position_ids)
     outside = torch.ones(T, dtype=torch.bool)
     outside[s:e] = False
     assert torch.allclose(before[0, outside], after[0, outside], atol=1e-6)
@@ -118,7 +120,7 @@ def test_changing_one_segment_leaves_the_others_alone(layout, pos_emb, draw):
 def test_packed_loss_is_the_sum_of_segment_losses(layout, pos_emb):
     stream, start = layout
     b = row(stream, start)
-    m = model(pos_emb, True)
+    m = logits(pos_emb, True)
     loss = torch.nn.functional.cross_entropy
     with torch.no_grad():
         packed = loss(
@@ -127,8 +129,8 @@ def test_packed_loss_is_the_sum_of_segment_losses(layout, pos_emb):
         total = torch.zeros(())
         for s, e in segments(b.doc_ids):
             alone = b.inputs[:, s:e]
-            logits = m(alone, torch.zeros_like(alone), torch.arange(e - s)[None])[0]
-            total += loss(logits, b.targets[0, s:e], ignore_index=IGNORE_INDEX, reduction="sum")
+            alone_logits = m(alone, torch.zeros_like(alone), torch.arange(e - s)[None])[0]
+            total += loss(alone_logits, b.targets[0, s:e], ignore_index=IGNORE_INDEX, reduction="sum")
     assert torch.allclose(packed, total, rtol=1e-5, atol=1e-4)
 
 
@@ -138,7 +140,7 @@ def test_the_properties_can_fail_without_the_mask(pos_emb):
     stream = np.concatenate([np.append(rng.integers(0, EOT, 9), EOT), rng.integers(0, EOT, T)]).astype(np.uint16)
     b = row(stream, 0)
     with torch.no_grad():
-        packed = model(pos_emb, False)(b.inputs, b.doc_ids, b.position_ids)
+        packed = logits(pos_emb, False)(b.inputs, b.doc_ids, b.position_ids)
         alone = b.inputs[:, 10:]
-        expected = model(pos_emb, False)(alone, torch.zeros_like(alone), torch.arange(T - 10)[None])
+        expected = logits(pos_emb, False)(alone, torch.zeros_like(alone), torch.arange(T - 10)[None])
     assert not torch.allclose(packed[:, 10:], expected, atol=1e-3)
