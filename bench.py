@@ -1,27 +1,39 @@
 """Benchmark attention variants for packed documents, side by side in one run.
 
     python bench.py                       # GPU: GPT-2 small at seq_len 1024, 4096, 8192; CPU: a small size
-    python bench.py --seq_lens=1024 --steps=20 --out=bench.json
+    python bench.py --seq_lens=1024 --tokens=32768 --layouts=synthetic --pos_embs=learned,rope
 
-For each size and document layout, every variant runs (1) the real training step (forward, backward,
-AdamW) of the GPT in model.py and (2) the attention call alone, and reports tokens/s, time, MFU, peak
+For each size, document layout and position kind, every variant runs (1) the real training step
+(forward, backward, AdamW; train.py's loss function, with the attention mask built outside the compiled
+model as train.py builds it) and (2) the attention call alone, and reports tokens/s, time, MFU, peak
 memory and, for FlexAttention, the BlockMask build time per step.
 
-  flex_doc     FlexAttention, block-sparse document mask (what train.py uses on CUDA)
-  flex_causal  FlexAttention, causal mask only
-  sdpa_causal  SDPA with is_causal (nanoGPT's path; no document mask)
-  sdpa_doc     SDPA with the dense document mask (what train.py uses on CPU)
-  varlen       FlashAttention varlen (torch.nn.attention.varlen), attention alone, CUDA only
+  reference_causal  the plainest causal step, standing in for nanoGPT: the same blocks, positions 0..T-1,
+                    causal SDPA, the loss inside the compiled forward; no document ids, no mask, no
+                    position gather (learned positions whatever --pos_embs says)
+  flex_doc          FlexAttention, block-sparse document mask (what train.py uses on CUDA)
+  flex_causal       FlexAttention, causal mask only
+  sdpa_causal       SDPA with is_causal, no document mask (train.py with doc_mask=false)
+  sdpa_doc          SDPA with the dense document mask (what train.py uses on CPU)
+  varlen            FlashAttention varlen (torch.nn.attention.varlen), attention alone, CUDA only
+
+A variant that fails records its error in its row and the others go on; the JSON is rewritten after
+every row, so an interrupted run keeps what it measured.
 
 MFU: model FLOPs per token as in the PaLM paper's appendix B, 6N + 12*L*H*Q*T (N parameters, the tied
-output layer included, L layers, H heads, Q head size, T sequence length), the same for every variant, divided
-by the peak matmul rate this script measures on the same device (bf16 on GPU, fp32 on CPU). The ideal
-speedup of the document mask over causal attention is the ratio of attention-score entries computed:
-T(T+1)/2 against the sum over documents of l(l+1)/2.
+output layer included, L layers, H heads, Q head size, T sequence length), the same for every variant,
+divided by the peak matmul rate this script measures on the same device (bf16 on GPU, fp32 on CPU).
+"MFU doc" counts only the attention work the document mask leaves: the attention term divided by the
+ideal speedup below. The ideal speedup of the document mask over causal attention is the ratio of
+attention-score entries computed, T(T+1)/2 against the sum over documents of l(l+1)/2; the step-level
+ideal is what the step would take if attention (n_layer x the sdpa_causal attention call) shrank by that
+ratio and nothing else changed.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
 import sys
 import time
@@ -34,10 +46,20 @@ import torch
 import torch.nn.functional as F
 
 import data
+import model as model_module
 import train
-from model import GPT, GPTConfig, attend, document_causal_block_mask, document_causal_dense
+from data import IGNORE_INDEX, Batch
+from model import (
+    FLEX_KERNEL_OPTIONS,
+    GPT,
+    GPTConfig,
+    attend,
+    compiled_flex_attention,
+    document_causal_block_mask,
+    document_causal_dense,
+)
 
-VARIANTS = ("flex_doc", "flex_causal", "sdpa_causal", "sdpa_doc", "varlen")
+VARIANTS = ("reference_causal", "flex_doc", "flex_causal", "sdpa_causal", "sdpa_doc", "varlen")
 
 
 def has_varlen() -> bool:
@@ -121,40 +143,81 @@ def model_flops_per_token(config: GPTConfig, model: GPT) -> float:
     return 6 * n + 12 * config.n_layer * config.n_head * head_size * config.seq_len
 
 
-def bench_training_step(variant: str, config: GPTConfig, doc_ids, device, steps, warmup) -> dict:
+class CausalReference(torch.nn.Module):
+    """nanoGPT's training step built from this repo's blocks: token plus position embeddings for
+    positions 0..T-1 (one (T, C) table, broadcast over the batch), causal SDPA, the loss in the forward."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.gpt = GPT(dataclasses.replace(config, pos_emb="learned", doc_mask=False, attn_impl="sdpa"))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        g = self.gpt
+        x = g.wte(idx) + g.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in g.blocks:
+            x = block(x, None, None)
+        logits = g.lm_head(g.ln_f(x))
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def synthetic_batch(doc_ids: torch.Tensor, vocab_size: int) -> Batch:
+    """Random tokens laid out in the given documents: positions restart at each document and the target
+    after each document's last token is not counted, as data.make_batch does for real data."""
+    B, T = doc_ids.shape
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tokens = torch.randint(0, vocab_size, (B, T + 1), generator=g).to(doc_ids.device)
+    slot = torch.arange(T, device=doc_ids.device).expand(B, T)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    positions = slot - torch.where(starts, slot, 0).cummax(dim=1).values
+    ends = torch.zeros_like(starts)
+    ends[:, :-1] = starts[:, 1:]
+    targets = tokens[:, 1:].masked_fill(ends, IGNORE_INDEX)
+    return Batch(tokens[:, :-1].contiguous(), targets, doc_ids, positions, positions)
+
+
+def bench_training_step(
+    variant: str, config: GPTConfig, doc_ids, device, steps, warmup, kernel_options: dict | None = None
+) -> dict:
+    """`kernel_options` replaces model.FLEX_KERNEL_OPTIONS for this step's FlexAttention calls."""
     if variant == "varlen":
         return {"skipped": "attention only"}
     flex = variant.startswith("flex")
     if flex and device.type != "cuda":
         return {"skipped": "FlexAttention has no backward on CPU"}
-    cfg = GPTConfig(
-        **{**config.__dict__, "doc_mask": variant != "sdpa_causal", "attn_impl": "flex" if flex else "sdpa"}
-    )
+    cfg = dataclasses.replace(config, doc_mask=variant != "sdpa_causal", attn_impl="flex" if flex else "sdpa")
     doc = torch.zeros_like(doc_ids) if variant == "flex_causal" else doc_ids  # one document: a causal BlockMask
+    batch = synthetic_batch(doc, cfg.vocab_size)
     torch.manual_seed(0)
-    model = GPT(cfg).to(device)
+    model = CausalReference(cfg).to(device) if variant == "reference_causal" else GPT(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    B, T = doc_ids.shape
-    inputs = torch.randint(0, cfg.vocab_size, (B, T), device=device)
-    positions = torch.arange(T, device=device).expand(B, T)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     compiled = torch.compile(model) if device.type == "cuda" else model
+    n_counted = (batch.targets != IGNORE_INDEX).sum()
 
     def step():
         with autocast:
-            logits = compiled(inputs, doc, positions)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), inputs.flatten())
+            if variant == "reference_causal":
+                loss = compiled(batch.inputs, batch.inputs)  # targets: any tokens do
+            else:
+                loss = train.token_losses(compiled, batch, cfg).sum() / n_counted
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    seconds = timed(step, device, steps, warmup)
+    default_options = model_module.FLEX_KERNEL_OPTIONS
+    model_module.FLEX_KERNEL_OPTIONS = default_options if kernel_options is None else kernel_options
+    try:
+        seconds = timed(step, device, steps, warmup)
+    finally:
+        model_module.FLEX_KERNEL_OPTIONS = default_options
+    B, T = doc_ids.shape
     result = {
         "step_ms": seconds * 1e3,
         "tokens_per_sec": B * T / seconds,
-        "model_flops_per_token": model_flops_per_token(cfg, model),
+        "model_flops_per_token": model_flops_per_token(cfg, model.gpt if variant == "reference_causal" else model),
     }
     if device.type == "cuda":
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -163,8 +226,13 @@ def bench_training_step(variant: str, config: GPTConfig, doc_ids, device, steps,
     return result
 
 
-def bench_attention(variant: str, config: GPTConfig, doc_ids, device, steps, warmup) -> dict:
-    """The attention call alone, forward (and backward where the device has one)."""
+def bench_attention(
+    variant: str, config: GPTConfig, doc_ids, device, steps, warmup, kernel_options: dict | None = None
+) -> dict:
+    """The attention call alone, forward (and backward where the device has one). `kernel_options`
+    replaces model.FLEX_KERNEL_OPTIONS for the FlexAttention variants."""
+    if variant == "reference_causal":
+        return {}  # the same call as sdpa_causal
     B, T = doc_ids.shape
     H, D = config.n_head, config.n_embd // config.n_head
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -181,7 +249,8 @@ def bench_attention(variant: str, config: GPTConfig, doc_ids, device, steps, war
         qp, kp, vp = (x.detach().transpose(1, 2).reshape(B * T, H, D).requires_grad_() for x in (q, k, v))
 
         def call():
-            out = varlen_attn(qp, kp, vp, cu_seqlens, cu_seqlens, max_len, max_len, is_causal=True)
+            # causal is window_size=(-1, 0): no limit to the left, none to the right (there is no is_causal)
+            out = varlen_attn(qp, kp, vp, cu_seqlens, cu_seqlens, max_len, max_len, window_size=(-1, 0))
             out.sum().backward()
     else:
         if variant == "sdpa_causal":
@@ -190,15 +259,24 @@ def bench_attention(variant: str, config: GPTConfig, doc_ids, device, steps, war
             mask = document_causal_dense(doc_ids)
         else:
             mask = document_causal_block_mask(torch.zeros_like(doc_ids) if variant == "flex_causal" else doc_ids)
+        if kernel_options is not None and variant.startswith("flex") and device.type == "cuda":
+            attention = lambda: compiled_flex_attention(q, k, v, block_mask=mask, kernel_options=kernel_options)  # noqa: E731
+        else:
+            attention = lambda: attend(q, k, v, mask)  # noqa: E731
 
         def call():
             with torch.no_grad() if not backward else nullcontext():
-                out = attend(q, k, v, mask)
+                out = attention()
             if backward:
                 out.sum().backward()
 
     seconds = timed(call, device, steps, warmup)
     return {"attention_ms": seconds * 1e3, "backward": backward}
+
+
+def error_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def main(argv: list[str]) -> int:
@@ -219,21 +297,42 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--vocab_size", type=int, default=50304 if cuda else 512)
     parser.add_argument("--doc_len", type=int, default=300 if cuda else 64, help="synthetic document length")
     parser.add_argument("--layouts", default="real,synthetic", help="document layouts to run: real, synthetic")
+    parser.add_argument("--pos_embs", default="learned,rope", help="position kinds to run: learned, rope")
     parser.add_argument(
         "--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS)
+    )
+    parser.add_argument(
+        "--attention_only", default="false", choices=("true", "false"), help="time the attention call alone"
+    )
+    parser.add_argument(
+        "--flex_kernel_options",
+        default="",
+        help="a JSON list of FlexAttention kernel_options dicts: the flex variants' attention call is timed once "
+        "with each (CUDA), and their training step with the first, e.g. '[{}, {\"ROWS_GUARANTEED_SAFE\": true}]'; "
+        "default: model.FLEX_KERNEL_OPTIONS",
     )
     parser.add_argument("--steps", type=int, default=20 if cuda else 3, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=5 if cuda else 1, help="untimed steps first (compilation)")
     parser.add_argument("--out", default="bench.json", help="where the JSON results are written")
     args = parser.parse_args(argv)
-    variants, layouts = args.variants.split(","), args.layouts.split(",")
-    for name, chosen, valid in (("variants", variants, VARIANTS), ("layouts", layouts, ("real", "synthetic"))):
+    variants, layouts, pos_embs = args.variants.split(","), args.layouts.split(","), args.pos_embs.split(",")
+    for name, chosen, valid in (
+        ("variants", variants, VARIANTS),
+        ("layouts", layouts, ("real", "synthetic")),
+        ("pos_embs", pos_embs, ("learned", "rope")),
+    ):
         if unknown := sorted(set(chosen) - set(valid)):
             parser.error(f"--{name}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(valid)}")
     try:
         seq_lens = [int(s) for s in args.seq_lens.split(",")]
     except ValueError:
         parser.error(f"--seq_lens={args.seq_lens!r}: give comma-separated integers")
+    try:
+        option_sets = json.loads(args.flex_kernel_options) if args.flex_kernel_options else [FLEX_KERNEL_OPTIONS]
+    except json.JSONDecodeError as e:
+        parser.error(f"--flex_kernel_options: not JSON ({e})")
+    if not (isinstance(option_sets, list) and option_sets and all(isinstance(o, dict) for o in option_sets)):
+        parser.error("--flex_kernel_options: give a non-empty JSON list of objects")
     for name, value, minimum in [
         ("seq_lens", min(seq_lens), 2),
         *((k, getattr(args, k), 1) for k in ("tokens", "n_layer", "n_head", "n_embd", "doc_len", "steps")),
@@ -249,20 +348,10 @@ def main(argv: list[str]) -> int:
         parser.error(f"--out={out} is a folder" if out.is_dir() else f"--out={out}: folder {out.parent} not found")
 
     device = torch.device("cuda" if cuda else "cpu")
-    configs = [
-        GPTConfig(
-            vocab_size=args.vocab_size,
-            seq_len=seq_len,
-            n_layer=args.n_layer,
-            n_head=args.n_head,
-            n_embd=args.n_embd,
-            pos_emb="rope",
-        )
-        for seq_len in seq_lens
-    ]
+    base = GPTConfig(vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     try:
-        for config in configs:
-            train.check_fits(config, max(1, args.tokens // config.seq_len), device)
+        for seq_len in seq_lens:
+            train.check_fits(dataclasses.replace(base, seq_len=seq_len), max(1, args.tokens // seq_len), device)
     except train.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -271,70 +360,109 @@ def main(argv: list[str]) -> int:
     print(
         f"device: {hardware}, torch {torch.__version__}, measured peak {peak / 1e12:.2f} TFLOP/s ({peak_dtype} matmul)"
     )
-    results = []
-    for config in configs:
-        seq_len = config.seq_len
-        batch_size = max(1, args.tokens // seq_len)
-        for layout in layouts:
-            doc_ids = doc_ids_for_layout(layout, batch_size, seq_len, args.doc_len, seed=seq_len).to(device)
-            docs_per_row = float((doc_ids[:, -1] + 1).float().mean())
-            for variant in variants:
-                row = {
-                    "seq_len": seq_len,
-                    "batch_size": batch_size,
-                    "layout": layout,
-                    "variant": variant,
-                    "docs_per_row": docs_per_row,
-                    "ideal_doc_mask_speedup": ideal_speedup(doc_ids.cpu()),
-                }
-                row.update(bench_training_step(variant, config, doc_ids, device, args.steps, args.warmup))
-                row.update(bench_attention(variant, config, doc_ids, device, args.steps, args.warmup))
-                if "tokens_per_sec" in row:
-                    row["mfu"] = row["tokens_per_sec"] * row["model_flops_per_token"] / peak
-                results.append(row)
-                print(f"  done: T={seq_len} {layout} {variant}", flush=True)
     report = {
         "device": hardware,
         "torch": torch.__version__,
         "peak_flops": peak,
         "peak_dtype": peak_dtype,
         "args": vars(args),
-        "results": results,
+        "results": [],
     }
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print(format_table(results))
-    print(f"wrote {args.out}")
+    for seq_len in seq_lens:
+        batch_size = max(1, args.tokens // seq_len)
+        for layout in layouts:
+            doc_ids = doc_ids_for_layout(layout, batch_size, seq_len, args.doc_len, seed=seq_len).to(device)
+            ideal = ideal_speedup(doc_ids.cpu())
+            for pos_emb in pos_embs:
+                config = dataclasses.replace(base, seq_len=seq_len, pos_emb=pos_emb)
+                for variant in variants:
+                    if variant == "reference_causal" and pos_emb != pos_embs[0]:
+                        continue  # it has no position kind to vary: once per size and layout
+                    flex = variant.startswith("flex")
+                    for options in option_sets if flex else [None]:
+                        row = {
+                            "seq_len": seq_len,
+                            "batch_size": batch_size,
+                            "layout": layout,
+                            "pos_emb": "learned" if variant == "reference_causal" else pos_emb,
+                            "variant": variant,
+                            "docs_per_row": float((doc_ids[:, -1] + 1).float().mean()),
+                            "ideal_doc_mask_speedup": ideal,
+                        }
+                        if flex:
+                            row["kernel_options"] = options
+                        try:
+                            if args.attention_only == "false" and options in (None, option_sets[0]):
+                                timing = bench_training_step(
+                                    variant, config, doc_ids, device, args.steps, args.warmup, options
+                                )
+                                row.update(timing)
+                            row.update(
+                                bench_attention(variant, config, doc_ids, device, args.steps, args.warmup, options)
+                            )
+                        except Exception as e:  # noqa: BLE001 - one variant's failure must not stop the others
+                            row["error"] = error_line(e)
+                        if "tokens_per_sec" in row:
+                            flops, attention = row["model_flops_per_token"], attention_flops_per_token(config)
+                            row["mfu"] = row["tokens_per_sec"] * flops / peak
+                            row["mfu_doc"] = row["tokens_per_sec"] * (flops - attention + attention / ideal) / peak
+                        report["results"].append(row)
+                        out.write_text(json.dumps(report, indent=1))
+                        name = f"T={seq_len} {layout} {row['pos_emb']} {variant}"
+                        print(f"  done: {name} {row.get('error', '')}", flush=True)
+                        gc.collect()
+                        if cuda:
+                            torch.cuda.empty_cache()
+    print(format_table(report["results"], args.n_layer))
+    print(f"wrote {out}")
     return 0
 
 
-def format_table(results: list[dict]) -> str:
+def attention_flops_per_token(config: GPTConfig) -> float:
+    return 12 * config.n_layer * config.n_embd * config.seq_len
+
+
+def format_table(results: list[dict], n_layer: int) -> str:
     def cell(row: dict, key: str, fmt: str) -> str:
         return format(row[key], fmt) if key in row else "-"
 
-    header = (
-        "| T | layout | docs/row | variant | step ms | tokens/s | MFU | attn fwd+bwd ms | mask build ms | peak GB "
-        "| speedup vs sdpa_causal | ideal |"
-    )
-    lines = [header, "|" + " --- |" * (header.count("|") - 1)]
-    for row in results:
-        base = next(
+    def same(row: dict, variant: str, pos_emb: str | None = None) -> dict | None:
+        return next(
             (
                 r
                 for r in results
-                if r["seq_len"] == row["seq_len"]
-                and r["layout"] == row["layout"]
-                and r["variant"] == "sdpa_causal"
+                if (r["seq_len"], r["layout"], r["variant"]) == (row["seq_len"], row["layout"], variant)
+                and (pos_emb is None or r["pos_emb"] == pos_emb)
                 and "step_ms" in r
             ),
             None,
         )
-        speedup = f"{base['step_ms'] / row['step_ms']:.2f}x" if base and "step_ms" in row else "-"
+
+    header = (
+        "| T | layout | docs/row | pos | variant | step ms | tokens/s | MFU | MFU doc | vs reference_causal "
+        "| vs sdpa_causal | step ideal | attn fwd+bwd ms | attn ideal | mask ms | peak GB | kernel options |"
+    )
+    lines = [header, "|" + " --- |" * (header.count("|") - 1)]
+    for row in results:
+        reference, causal = same(row, "reference_causal"), same(row, "sdpa_causal", row["pos_emb"])
+        vs_reference = vs_causal = step_ideal = "-"
+        if "step_ms" in row and reference:
+            vs_reference = f"{reference['step_ms'] / row['step_ms']:.2f}x"
+        if "step_ms" in row and causal:
+            vs_causal = f"{causal['step_ms'] / row['step_ms']:.2f}x"
+            if row["variant"] == "flex_doc" and "attention_ms" in causal:
+                attention = n_layer * causal["attention_ms"]
+                saved = attention * (1 - 1 / row["ideal_doc_mask_speedup"])
+                step_ideal = f"{causal['step_ms'] / (causal['step_ms'] - min(saved, 0.99 * causal['step_ms'])):.2f}x"
+        options = row.get("kernel_options")
         lines.append(
-            f"| {row['seq_len']} | {row['layout']} | {row['docs_per_row']:.1f} | {row['variant']} "
+            f"| {row['seq_len']} | {row['layout']} | {row['docs_per_row']:.1f} | {row['pos_emb']} | {row['variant']} "
             f"| {cell(row, 'step_ms', '.1f')} | {cell(row, 'tokens_per_sec', ',.0f')} | {cell(row, 'mfu', '.1%')} "
+            f"| {cell(row, 'mfu_doc', '.1%')} | {vs_reference} | {vs_causal} | {step_ideal} "
             f"| {cell(row, 'attention_ms', '.2f')}{'' if row.get('backward', True) else ' (fwd only)'} "
-            f"| {cell(row, 'block_mask_ms', '.2f')} "
-            f"| {cell(row, 'peak_memory_gb', '.1f')} | {speedup} | {row['ideal_doc_mask_speedup']:.1f}x |"
+            f"| {row['ideal_doc_mask_speedup']:.1f}x | {cell(row, 'block_mask_ms', '.2f')} "
+            f"| {cell(row, 'peak_memory_gb', '.1f')} | {json.dumps(options) if options is not None else '-'} |"
+            + (f" error: {row['error']}" if "error" in row else "")
         )
     return "\n".join(lines)
 

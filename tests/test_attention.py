@@ -2,6 +2,7 @@
 document-causal semantics down."""
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,7 +76,7 @@ def test_flex_forward_matches_dense_sdpa(compiled):
     doc = layouts_batch()
     q, k, v = qkv(doc.shape[0], doc.shape[1])
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_dense(doc))
-    flex = compiled_flex_attention() if compiled else flex_attention
+    flex = compiled_flex_attention if compiled else flex_attention
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # eager flex warns that it is a slow reference
         got = flex(q, k, v, block_mask=document_causal_block_mask(doc))
@@ -106,17 +107,51 @@ def test_bench_script_runs_and_reports_every_variant(tmp_path):
         "--steps=1",
         "--warmup=1",
         "--layouts=real,synthetic",
-        "--variants=flex_doc,sdpa_causal,sdpa_doc,varlen",
+        "--pos_embs=learned,rope",
+        "--variants=reference_causal,flex_doc,sdpa_causal,sdpa_doc,varlen",
         f"--out={out}",
     ]
     result = subprocess.run([sys.executable, "bench.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
-    rows = {(r["layout"], r["variant"]): r for r in report["results"]}
-    assert len(rows) == 8 and report["peak_flops"] > 0
+    rows = {(r["layout"], r["pos_emb"], r["variant"]): r for r in report["results"]}
+    assert len(rows) == len(report["results"]) == 2 * (1 + 2 * 4) and report["peak_flops"] > 0
     for layout in ("real", "synthetic"):
-        assert rows[layout, "sdpa_causal"]["tokens_per_sec"] > 0 and 0 < rows[layout, "sdpa_doc"]["mfu"] < 1
-        assert rows[layout, "flex_doc"]["attention_ms"] > 0  # forward only on CPU
-        assert "skipped" in rows[layout, "flex_doc"] and "skipped" in rows[layout, "varlen"]
-    assert rows["synthetic", "sdpa_doc"]["ideal_doc_mask_speedup"] > 1.5  # 64-token documents in 128-token rows
-    assert "| 128 | real |" in result.stdout
+        reference = rows[layout, "learned", "reference_causal"]
+        assert reference["tokens_per_sec"] > 0 and "attention_ms" not in reference
+        for pos_emb in ("learned", "rope"):
+            assert rows[layout, pos_emb, "sdpa_causal"]["tokens_per_sec"] > 0
+            assert 0 < rows[layout, pos_emb, "sdpa_doc"]["mfu_doc"] <= rows[layout, pos_emb, "sdpa_doc"]["mfu"] < 1
+            assert rows[layout, pos_emb, "flex_doc"]["attention_ms"] > 0  # forward only on CPU
+            assert "skipped" in rows[layout, pos_emb, "flex_doc"] and "skipped" in rows[layout, pos_emb, "varlen"]
+            assert not any("error" in r for r in report["results"])
+    assert rows["synthetic", "rope", "sdpa_doc"]["ideal_doc_mask_speedup"] > 1.5  # 64-token documents, T=128
+    assert "| 128 | real | 1.0 | learned | reference_causal |" in result.stdout
+
+
+def test_bench_records_a_failing_variant_and_goes_on(tmp_path, monkeypatch):
+    import json
+
+    import bench
+
+    out = tmp_path / "bench.json"
+    written = []
+    real_step, real_write = bench.bench_training_step, Path.write_text
+
+    def failing_step(variant, *args):
+        if variant == "sdpa_doc":
+            raise RuntimeError("out of memory\nsecond line")
+        return real_step(variant, *args)
+
+    def recording_write(self, text, *args, **kwargs):
+        written.append(len(json.loads(text)["results"]))
+        return real_write(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "bench_training_step", failing_step)
+    monkeypatch.setattr(Path, "write_text", recording_write)
+    argv = ["--seq_lens=64", "--tokens=128", "--steps=1", "--warmup=0", "--layouts=synthetic", "--pos_embs=rope"]
+    assert bench.main([*argv, "--variants=sdpa_doc,sdpa_causal", f"--out={out}"]) == 0
+    failed, other = json.loads(out.read_text())["results"]
+    assert failed["error"] == "RuntimeError: out of memory" and "step_ms" not in failed
+    assert other["variant"] == "sdpa_causal" and other["step_ms"] > 0
+    assert written == [1, 2]  # the results file is rewritten after every row
