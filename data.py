@@ -57,7 +57,7 @@ IGNORE_INDEX = -100  # targets with this value do not count in the loss (torch's
 SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
-BUILTIN_DATASETS = ("stdlib", "stdlib-files")
+BUILTIN_DATASETS = ("stdlib", "stdlib-files", "packages")
 SHARD_FORMAT_VERSION = 2
 SHARD_TOKENS = 100_000_000  # tokens per shard file at most (200 MB of uint16)
 DATASET_HELP = (
@@ -81,7 +81,7 @@ class Source:
     identity: str  # the dataset, however its path was spelled: staleness reports compare it
     root: Path  # file paths in the fingerprint are relative to it
     files: tuple[Path, ...]
-    builtin: str | None = None  # "stdlib" (top-level definitions) or "stdlib-files" (whole modules)
+    builtin: str | None = None  # "stdlib" or "packages" (top-level definitions), "stdlib-files" (whole modules)
     single_file: bool = False  # a lone text file is split on <|endoftext|>; in a folder it is one document
 
 
@@ -104,6 +104,39 @@ def _stdlib_modules() -> list[Path]:
         dirs[:] = [d for d in dirs if d not in skip_dirs]
         modules += [Path(folder, n) for n in names if n.endswith(".py") and not n.startswith("test_")]
     return sorted(modules)
+
+
+def _package_modules() -> list[Path]:
+    """Python sources of the distributions that requirements.txt pins and of everything they require,
+    as installed, in a fixed order: a larger built-in corpus, the same wherever the pins are installed."""
+    import importlib.metadata as metadata  # only needed here
+
+    from packaging.requirements import Requirement
+
+    requirements = Path(__file__).with_name("requirements.txt")
+    if not requirements.is_file():
+        raise DataError(f"dataset 'packages' reads the distributions that {requirements} pins; it is missing")
+    pending = [Requirement(line).name for line in requirements.read_text().splitlines() if line.split("#")[0].strip()]
+    seen, modules = set(), set()
+    while pending:
+        name = pending.pop()
+        key = name.lower().replace("_", "-")
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            distribution = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            raise DataError(f"dataset 'packages': {name} is not installed; pip install -r {requirements}") from None
+        for requirement in map(Requirement, distribution.requires or []):
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                pending.append(requirement.name)
+        modules |= {
+            Path(distribution.locate_file(f)).resolve()
+            for f in distribution.files or []
+            if f.suffix == ".py" and "__pycache__" not in f.parts
+        }
+    return sorted(p for p in modules if p.is_file())
 
 
 def _files_below(root: Path, exclude: tuple[Path, ...]) -> list[Path]:
@@ -132,6 +165,9 @@ def resolve_dataset(dataset: str, exclude: tuple[Path, ...] = ()) -> Source:
     kind that cannot be read."""
     if not dataset.strip():
         raise DataError(f"dataset is empty: {DATASET_HELP}")
+    if dataset == "packages":
+        root = Path(sysconfig.get_paths()["purelib"]).resolve()
+        return Source(dataset, dataset, root, tuple(_package_modules()), builtin=dataset)
     if dataset in BUILTIN_DATASETS:
         root = Path(sysconfig.get_paths()["stdlib"])
         return Source(dataset, dataset, root, tuple(_stdlib_modules()), builtin=dataset)
@@ -196,6 +232,17 @@ def _stdlib_documents(split_definitions: bool) -> tuple[tuple[str, ...], Counter
         except SyntaxError:
             skipped["syntax_error"] += 1
     return tuple(documents), skipped
+
+
+def _module_definitions(path: Path, skipped: Counter, on_bytes: Callable[[int], None]) -> Iterator[str]:
+    content = path.read_bytes()
+    on_bytes(len(content))
+    try:
+        yield from _top_level_definitions(content.decode("utf-8"))
+    except UnicodeDecodeError:
+        skipped["not_utf8"] += 1
+    except (SyntaxError, ValueError):  # ValueError: source with null bytes
+        skipped["syntax_error"] += 1
 
 
 def _jsonl_documents(path: Path, text_field: str, on_bytes: Callable[[int], None]) -> Iterator[str]:
@@ -316,6 +363,10 @@ def read_documents(
     on_bytes = on_bytes or (lambda n: None)
 
     def documents() -> Iterator[str]:
+        if source.builtin == "packages":  # too large to cache like the standard library: read file by file
+            for path in source.files:
+                yield from _module_definitions(path, skipped, on_bytes)
+            return
         if source.builtin:
             yield from stdlib_documents(source.builtin == "stdlib", skipped)
             on_bytes(sum(p.stat().st_size for p in source.files))

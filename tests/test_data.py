@@ -180,6 +180,20 @@ def test_stdlib_corpus_is_split_into_top_level_definitions():
     assert all(d.lstrip().startswith(("def ", "async def ", "class ", "@")) for d in docs)
 
 
+def test_packages_corpus_is_the_pinned_distributions_and_what_they_require(tmp_path):
+    import itertools
+
+    source = data.resolve_dataset("packages")
+    assert source.files == tuple(sorted(source.files)) and len(source.files) > 3000
+    relative = {p.relative_to(source.root).as_posix() for p in source.files if p.is_relative_to(source.root)}
+    for pinned in ("torch/__init__.py", "numpy/__init__.py", "tiktoken/core.py"):  # from requirements.txt
+        assert pinned in relative
+    assert "sympy/__init__.py" in relative  # required by torch
+    assert "pip/__init__.py" not in relative  # installed, but nothing pinned requires it
+    docs = list(itertools.islice(data.read_documents(source), 2000))
+    assert len(docs) == 2000 and all(d.lstrip().startswith(("def ", "async def ", "class ", "@")) for d in docs)
+
+
 # ---- input formats: the same documents give the same shards, whatever holds them
 
 
