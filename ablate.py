@@ -10,6 +10,11 @@ init and number of real (non-padding) training tokens; only the variant's settin
 seed sets both init and data order, so differences are paired by seed. Finished runs are skipped, so an
 interrupted study continues where it stopped.
 
+Pad is run twice: `pad` sees as many real tokens as a packed run (more steps), `pad_equal_compute` as
+many steps and rows (the same FLOPs, fewer real tokens). Each effect (the paired difference to the
+reference, the offset probe's effect, the contamination) gets a 95% confidence interval over seeds and a
+verdict: "hurts", "helps", "no effect" (the interval within +-0.01 nats) or "unresolved".
+
 Written to the study's out_dir: results.md (the table), results.json (every number in it, per run
 too), val_loss.png, loss_by_position.png, offset_probe.png.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import subprocess
@@ -40,7 +46,8 @@ VARIANTS = {  # name: the train.py settings it changes from the reference
     "no_reset_position_ids": {"reset_position_ids": False},
     "no_mask_boundary_loss": {"mask_boundary_loss": False},
     "naive": {"doc_mask": False, "reset_position_ids": False, "mask_boundary_loss": False},
-    "pad": {"packing": "pad"},
+    "pad": {"packing": "pad"},  # as many real tokens as a packed run: more steps
+    "pad_equal_compute": {"packing": "pad"},  # as many steps and rows as a packed run: fewer real tokens
 }
 # probe_offsets: k values of the offset probe; 0 and seq_len / 2 are always added
 ABLATE_DEFAULTS = {"seeds": 3, "out_dir": "out/ablate", "probe_docs": 64, "probe_offsets": [64]}
@@ -111,6 +118,7 @@ def run_config(train_args: list[str], pos_emb: str, variant: str, seed: int, out
         train_args + [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items()]
     )
     if variant == "pad":  # the same real training tokens: more steps, with the schedule stretched to match
+        # (pad_equal_compute keeps the packed run's steps: the same FLOPs, fewer real tokens)
         for key in ("max_iters", "warmup_iters", "eval_interval"):
             setattr(cfg, key, max(1, round(getattr(cfg, key) * pad_factor)))
     return cfg
@@ -257,9 +265,68 @@ def mean_spread(values: list[float]) -> tuple[float, float]:
     return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
 
 
+# Two-sided 95% quantiles of Student's t with 1..30 degrees of freedom (standard tables); 1.96 beyond.
+T_975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
+NO_EFFECT = 0.01  # nats: an effect whose whole confidence interval lies within +-0.01 is "no effect"
+
+
+def confidence_interval(values: list[float]) -> tuple[float, float]:
+    """95% confidence interval of the mean of `values` (Student's t); infinite with fewer than 2."""
+    if len(values) < 2:
+        return -math.inf, math.inf
+    mean, sd = mean_spread(values)
+    half = (T_975[len(values) - 2] if len(values) <= 31 else 1.96) * sd / math.sqrt(len(values))
+    return mean - half, mean + half
+
+
+def verdict(interval: tuple[float, float]) -> str:
+    """What a confidence interval of a loss difference says: the variant "hurts" (raises the loss) or
+    "helps", "no effect" when the whole interval lies within +-NO_EFFECT, else "unresolved"."""
+    low, high = interval
+    if -NO_EFFECT <= low and high <= NO_EFFECT:
+        return "no effect"
+    if low > 0:
+        return "hurts"
+    if high < 0:
+        return "helps"
+    return "unresolved"
+
+
 def summarise(runs: dict, offsets: list[int]) -> dict:
-    """Per (position kind, variant): mean and spread of each metric, and of the paired (same seed)
-    difference to the reference."""
+    """Per (position kind, variant): mean and spread of each metric; and, each with its 95% confidence
+    interval and verdict, the paired (same seed) difference to the reference, the offset effect (the
+    probe documents' loss after the longest offset minus alone) and the contamination."""
     summary = {}
     for pos in POSITION_KINDS:
         for variant in VARIANTS:
@@ -275,7 +342,20 @@ def summarise(runs: dict, offsets: list[int]) -> dict:
                 **{f"offset_{k}": [cell[s]["offset_loss"][str(k)] for s in seeds] for k in offsets},
             }
             entry = {name: mean_spread(values) for name, values in metrics.items()}
-            entry["delta_val_doc_loss"] = mean_spread([cell[s]["val_doc_loss"] - ref[s]["val_doc_loss"] for s in seeds])
+            effects = {
+                "delta_val_doc_loss": [cell[s]["val_doc_loss"] - ref[s]["val_doc_loss"] for s in seeds],
+                "offset_effect": [
+                    cell[s]["offset_loss"][str(max(offsets))] - cell[s]["offset_loss"]["0"] for s in seeds
+                ],
+                "contamination": metrics["contamination"],
+            }
+            for name, values in effects.items():
+                interval = confidence_interval(values)
+                entry[name] = mean_spread(values)
+                entry[f"{name}_ci95"] = [x if math.isfinite(x) else None for x in interval]
+                entry[f"{name}_verdict"] = verdict(interval)
+            if variant == "reference":
+                entry["delta_val_doc_loss_verdict"] = "-"  # the reference against itself
             entry["seeds"] = len(seeds)
             summary[f"{pos}/{variant}"] = entry
     return summary
@@ -313,31 +393,42 @@ def format_report(summary: dict, env: dict, settings: dict, offsets: list[int], 
     def ms(pair: tuple[float, float], digits: int = 3) -> str:
         return f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
 
+    def effect(entry: dict, name: str) -> str:
+        low, high = entry[f"{name}_ci95"]
+        interval = "" if low is None else f" [{low:+.3f}, {high:+.3f}]"
+        return f"{entry[name][0]:+.3f}{interval} | {entry[f'{name}_verdict']}"
+
     offset_cols = " | ".join(f"offset {k}" for k in offsets)
+    pad_factor = settings.get("pad_steps_factor")
     lines = [
         "# Ablation results",
         "",
         f"- command: `{env['command']}`",
         f"- hardware: {env['hardware']}, torch {env['torch']}, commit {env['commit']}",
-        f"- {settings['seeds']} seeds per cell (mean ± sample standard deviation); each packed run "
-        f"{cfg.max_iters} steps of {cfg.batch_size * cfg.grad_accum} x {cfg.seq_len} tokens, pad runs as many "
-        "real tokens",
+        f"- {settings['seeds']} seeds per cell (mean ± sample standard deviation; effects with their 95% "
+        f"confidence interval over seeds, Student's t); each packed run {cfg.max_iters} steps of "
+        f"{cfg.batch_size * cfg.grad_accum} x {cfg.seq_len} tokens. `pad`: as many real tokens "
+        + (f"({pad_factor:.2f}x the steps; pad rows are {1 - 1 / pad_factor:.0%} padding)" if pad_factor else "")
+        + ", `pad_equal_compute`: as many steps and rows, the same FLOPs",
         f"- model: {cfg.n_layer} layers, {cfg.n_embd} wide, {cfg.n_head} heads; data: {cfg.dataset}, "
         f"tokenizer {cfg.tokenizer} {cfg.tokenizer_vocab_size}",
         "",
         "`val_doc_loss`: each validation document alone from position 0 (the same for every run). "
         "`Δ ref`: paired by seed. `offset k`: the probe documents' loss after k tokens of other documents, "
-        "under the run's own settings. `contamination`: loss after one unrelated document minus loss alone.",
+        f"under the run's own settings; `offset effect`: offset {max(offsets)} minus offset 0. `contamination`: "
+        "loss after one unrelated document minus loss alone. Verdicts: `hurts` / `helps` when the interval "
+        f"excludes 0, `no effect` when it lies within ±{NO_EFFECT}, else `unresolved`.",
         "",
-        f"| variant | val_doc_loss | Δ ref | val_loss (own packing) | {offset_cols} | contamination "
-        "| train wall s | useful tok/s |",
-        "|" + " --- |" * (7 + len(offsets)),
+        f"| variant | val_doc_loss | Δ ref | verdict | val_loss (own packing) | {offset_cols} | offset effect "
+        "| verdict | contamination | verdict | train wall s | useful tok/s |",
+        "|" + " --- |" * (11 + len(offsets)),
     ]
     for key, entry in summary.items():
         offsets_text = " | ".join(ms(entry[f"offset_{k}"]) for k in offsets)
         lines.append(
-            f"| {key} | {ms(entry['val_doc_loss'])} | {ms(entry['delta_val_doc_loss'])} | {ms(entry['val_loss'])} "
-            f"| {offsets_text} | {ms(entry['contamination'])} | {entry['wall_seconds'][0]:.1f} "
+            f"| {key} | {ms(entry['val_doc_loss'])} | {effect(entry, 'delta_val_doc_loss')} "
+            f"| {ms(entry['val_loss'])} | {offsets_text} | {effect(entry, 'offset_effect')} "
+            f"| {effect(entry, 'contamination')} | {entry['wall_seconds'][0]:.1f} "
             f"| {entry['useful_tokens_per_sec'][0]:,.0f} |"
         )
     return "\n".join(lines) + "\n"
@@ -443,7 +534,7 @@ def main(argv: list[str]) -> int:
         return 1
     summary = summarise(runs, offsets)
     env = environment()
-    report = format_report(summary, env, settings, offsets, base)
+    report = format_report(summary, env, {**settings, "pad_steps_factor": pad_factor}, offsets, base)
     (out / "results.md").write_text(report)
     (out / "results.json").write_text(
         json.dumps(

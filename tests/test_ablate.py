@@ -44,7 +44,15 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
     study = tmp_path / "study"
     report = json.loads((study / "results.json").read_text())
     summary = report["summary"]
-    variants = ["reference", "no_doc_mask", "no_reset_position_ids", "no_mask_boundary_loss", "naive", "pad"]
+    variants = [
+        "reference",
+        "no_doc_mask",
+        "no_reset_position_ids",
+        "no_mask_boundary_loss",
+        "naive",
+        "pad",
+        "pad_equal_compute",
+    ]
     assert sorted(summary) == sorted(f"{p}/{v}" for p in ("learned", "rope") for v in variants)
     for entry in summary.values():
         assert entry["seeds"] == 2
@@ -58,6 +66,10 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
             "contamination",
             "wall_seconds",
             "useful_tokens_per_sec",
+            "delta_val_doc_loss_ci95",
+            "delta_val_doc_loss_verdict",
+            "offset_effect_verdict",
+            "contamination_verdict",
         } <= entry.keys()
         assert all(len(entry[m]) == 2 for m in ("val_doc_loss", "offset_32"))  # mean and spread
     assert summary["learned/reference"]["delta_val_doc_loss"] == [0.0, 0.0]
@@ -67,14 +79,29 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
         assert abs(ref["offset_loss"]["32"] - ref["offset_loss"]["0"]) < 1e-4 and abs(ref["contamination"]) < 1e-4
     naive = report["runs"]["learned"]["naive"]["0"]
     assert abs(naive["offset_loss"]["32"] - naive["offset_loss"]["0"]) > 1e-4  # ...while naive packing leaks
-    # pad runs see as many real tokens as packed runs: more steps
+    # pad runs see as many real tokens as packed runs: more steps; pad_equal_compute as many steps
     assert report["runs"]["rope"]["pad"]["0"]["steps"] > report["runs"]["rope"]["reference"]["0"]["steps"]
+    assert (
+        report["runs"]["rope"]["pad_equal_compute"]["0"]["steps"] == report["runs"]["rope"]["reference"]["0"]["steps"]
+    )
+    assert summary["rope/reference"]["contamination_verdict"] == "no effect"  # exactly 0 with the mask
     markdown = (study / "results.md").read_text()
-    assert markdown.count("\n| learned/") == 6 and markdown.count("\n| rope/") == 6 and "hardware:" in markdown
-    assert "| variant | val_doc_loss | Δ ref |" in markdown and markdown in result.stdout
+    assert markdown.count("\n| learned/") == 7 and markdown.count("\n| rope/") == 7 and "hardware:" in markdown
+    assert "| variant | val_doc_loss | Δ ref | verdict |" in markdown and markdown in result.stdout
     for figure in ("val_loss.png", "loss_by_position.png", "offset_probe.png"):
         assert (study / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = subprocess.run(
         [sys.executable, "ablate.py", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
-    assert again.returncode == 0 and again.stdout.count("(finished before: skipped)") == 24
+    assert again.returncode == 0 and again.stdout.count("(finished before: skipped)") == 28
+
+
+def test_confidence_interval_and_verdicts():
+    low, high = ablate.confidence_interval([1.0, 2.0, 3.0])  # mean 2, sd 1, t(2) = 4.303
+    assert low == pytest.approx(2 - 4.303 / 3**0.5) and high == pytest.approx(2 + 4.303 / 3**0.5)
+    assert ablate.confidence_interval([0.5]) == (float("-inf"), float("inf"))
+    assert ablate.verdict(ablate.confidence_interval([0.03, 0.04, 0.035])) == "hurts"
+    assert ablate.verdict(ablate.confidence_interval([-0.03, -0.04, -0.035])) == "helps"
+    assert ablate.verdict(ablate.confidence_interval([0.001, -0.002, 0.0, 0.001])) == "no effect"
+    assert ablate.verdict(ablate.confidence_interval([0.03, -0.04, 0.01])) == "unresolved"
+    assert ablate.verdict(ablate.confidence_interval([0.5])) == "unresolved"
