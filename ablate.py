@@ -35,7 +35,9 @@ import numpy as np
 import torch
 
 import data
+import run_infra
 import train
+from config import RESUMABLE_CHANGES, Config, ConfigError, parse_config, read_config_file, resolve_device
 from data import IGNORE_INDEX
 from model import GPT
 
@@ -60,17 +62,15 @@ ABLATE_DEFAULTS = {"seeds": 3, "out_dir": "out/ablate", "probe_docs": 64, "probe
 def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
     """(ablate settings, train.py arguments) from a TOML file and --key=value overrides."""
     if not argv or argv[0].startswith("--"):
-        raise train.ConfigError("usage: python ablate.py CONFIG.toml [--seeds=N] [--train_key=value ...]")
-    values = train.read_config_file(Path(argv[0]))
+        raise ConfigError("usage: python ablate.py CONFIG.toml [--seeds=N] [--train_key=value ...]")
+    values = read_config_file(Path(argv[0]))
     table = values.pop("ablate", {})
     if not isinstance(table, dict):
-        raise train.ConfigError(f"[ablate] must be a table, got {table!r}")
+        raise ConfigError(f"[ablate] must be a table, got {table!r}")
     settings = {**ABLATE_DEFAULTS, **table}
     unknown = set(settings) - set(ABLATE_DEFAULTS)
     if unknown:
-        raise train.ConfigError(
-            f"unknown [ablate] key(s) {', '.join(sorted(unknown))}; valid: {', '.join(ABLATE_DEFAULTS)}"
-        )
+        raise ConfigError(f"unknown [ablate] key(s) {', '.join(sorted(unknown))}; valid: {', '.join(ABLATE_DEFAULTS)}")
     train_args = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
     for arg in argv[1:]:
         key = arg[2:].split("=", 1)[0]
@@ -79,7 +79,7 @@ def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
         else:
             train_args.append(arg)
     check_settings(settings)
-    train.parse_config(train_args)  # fails early, with train.py's messages, on a bad key or value
+    parse_config(train_args)  # fails early, with train.py's messages, on a bad key or value
     return settings, train_args
 
 
@@ -94,18 +94,18 @@ def check_settings(settings: dict) -> None:
     for key, what in (("seeds", "a whole number of seeds"), ("probe_docs", "a whole number of documents")):
         number = whole(settings[key])
         if number is None:
-            raise train.ConfigError(f"{key}={settings[key]!r}: expected {what}")
+            raise ConfigError(f"{key}={settings[key]!r}: expected {what}")
         if number < 1:
-            raise train.ConfigError(f"{key}={number}: must be at least 1")
+            raise ConfigError(f"{key}={number}: must be at least 1")
         settings[key] = number
     offsets = settings["probe_offsets"]
     if not isinstance(offsets, list) or not all(whole(k) is not None and whole(k) >= 1 for k in offsets):
-        raise train.ConfigError(f"probe_offsets={offsets!r}: expected a list of token counts, each at least 1")
+        raise ConfigError(f"probe_offsets={offsets!r}: expected a list of token counts, each at least 1")
     if not isinstance(settings["out_dir"], str) or not settings["out_dir"].strip():
-        raise train.ConfigError(f"out_dir={settings['out_dir']!r}: expected a folder name")
+        raise ConfigError(f"out_dir={settings['out_dir']!r}: expected a folder name")
 
 
-def pad_steps_factor(cfg: train.Config) -> float:
+def pad_steps_factor(cfg: Config) -> float:
     """How many more steps a pad run needs to see as many real tokens as a packed run."""
     shards = data.load_shards(train.prepare_data(cfg))
     _, n_real, _ = data.pad_rows(shards.train, shards.eot_id, cfg.seq_len)
@@ -114,7 +114,7 @@ def pad_steps_factor(cfg: train.Config) -> float:
 
 def run_config(train_args: list[str], pos_emb: str, variant: str, seed: int, out_dir: Path, pad_factor: float):
     overrides = {"pos_emb": pos_emb, "seed": seed, "out_dir": out_dir, "sample_tokens": 0, **VARIANTS[variant]}
-    cfg = train.parse_config(
+    cfg = parse_config(
         train_args + [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items()]
     )
     if variant == "pad":  # the same real training tokens: more steps, with the schedule stretched to match
@@ -152,7 +152,7 @@ def probe_documents(val: np.ndarray, eot_id: int, n_docs: int, window: int) -> t
 
 
 def doc_loss_in_rows(
-    model: GPT, cfg: train.Config, eot_id: int, prefixes: list[np.ndarray], docs: list[np.ndarray], device: torch.device
+    model: GPT, cfg: Config, eot_id: int, prefixes: list[np.ndarray], docs: list[np.ndarray], device: torch.device
 ) -> float:
     """Mean loss over the documents' own targets, each document after its prefix in one row, with the
     run's position and loss settings (its doc_mask is in the model)."""
@@ -170,8 +170,7 @@ def doc_loss_in_rows(
             np.array([len(r) for r in rows]),
             T,
             eot_id,
-            cfg.reset_position_ids,
-            cfg.mask_boundary_loss,
+            flags=cfg.flags,
         )
         own = torch.zeros_like(b.targets, dtype=torch.bool)
         for r, (p, d) in enumerate(zip(prefixes[i : i + 32], docs[i : i + 32])):
@@ -179,16 +178,16 @@ def doc_loss_in_rows(
         b = b.to(device)
         b.targets = b.targets.masked_fill(~own.to(device), IGNORE_INDEX)
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            total += train.token_losses(model, b, model.config).sum().item()
-        count += int(own.sum())
+            losses, counted = train.token_losses(model, b, model.config)
+        total += losses.sum().item()
+        count += int(counted.sum())
     return total / count
 
 
-def run_probes(out_dir: Path, cfg: train.Config, n_docs: int, offsets: list[int]) -> dict:
-    device = train.resolve_device(cfg.device)
-    state = train.read_checkpoint(out_dir / "ckpt.pt")
-    model = train.trained_model(state, device)
-    shards = data.load_shards(Path(state["shards"]))
+def run_probes(out_dir: Path, cfg: Config, n_docs: int, offsets: list[int]) -> dict:
+    device = resolve_device(cfg.device)
+    model, _, checkpoint = run_infra.load_run(out_dir, device)
+    shards = data.load_shards(Path(checkpoint["shards"]))
     window = cfg.seq_len - max(offsets)
     docs, filler = probe_documents(
         leading_stream(shards.val, shards.eot_id, n_docs, cfg.seq_len), shards.eot_id, n_docs, window
@@ -210,25 +209,25 @@ def run_probes(out_dir: Path, cfg: train.Config, n_docs: int, offsets: list[int]
 # Running the grid
 
 
-def run_one(cfg: train.Config, settings: dict) -> dict:
+def run_one(cfg: Config, settings: dict) -> dict:
     out = Path(cfg.out_dir)
     done = out / "result.json"
     # what decides a run's result: the training settings a resume may not change, and the probes
     decided_by = {
-        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in train.RESUMABLE_CHANGES},
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_CHANGES},
         "probes": {k: settings[k] for k in ("probe_docs", "probe_offsets")},
     }
     if done.exists():
         result = json.loads(done.read_text())
         if result.pop("decided_by", None) != decided_by:
-            raise train.ConfigError(
+            raise ConfigError(
                 f"{done} was computed with other settings than this study's: give the study another out_dir, "
                 f"or delete {settings['out_dir']} to run it again"
             )
         return result
     cfg.resume = (out / "ckpt.pt").exists()  # a run interrupted earlier continues from its checkpoint
     train.train(cfg)
-    if train.read_checkpoint(out / "ckpt.pt")["step"] != cfg.max_iters:
+    if run_infra.read_checkpoint(out / "ckpt.pt")["step"] != cfg.max_iters:
         raise StudyStopped(f"stopped during {out}; run the same command again to continue the study")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in records if "train_loss" in r]
@@ -389,7 +388,7 @@ def environment() -> dict:
     }
 
 
-def format_report(summary: dict, env: dict, settings: dict, offsets: list[int], cfg: train.Config) -> str:
+def format_report(summary: dict, env: dict, settings: dict, offsets: list[int], cfg: Config) -> str:
     def ms(pair: tuple[float, float], digits: int = 3) -> str:
         return f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
 
@@ -493,16 +492,16 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         settings, train_args = parse_args(argv)
-        base = train.parse_config(train_args)
+        base = parse_config(train_args)
         offsets = sorted({int(k) for k in settings["probe_offsets"]} | {0, base.seq_len // 2})
         settings["probe_offsets"] = offsets
         if max(offsets) >= base.seq_len - 1:
-            raise train.ConfigError(f"probe_offsets must be below seq_len - 1 = {base.seq_len - 1}")
+            raise ConfigError(f"probe_offsets must be below seq_len - 1 = {base.seq_len - 1}")
         out = Path(settings["out_dir"])
         try:  # before any work: the study ends by writing its report here
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise train.ConfigError(f"out_dir {out} cannot be a folder ({e.strerror})") from None
+            raise ConfigError(f"out_dir {out} cannot be a folder ({e.strerror})") from None
         pad_factor = pad_steps_factor(base)
         grid = [
             (pos, variant, seed) for pos in POSITION_KINDS for variant in VARIANTS for seed in range(settings["seeds"])
@@ -524,12 +523,12 @@ def main(argv: list[str]) -> int:
                 remaining = sum(
                     1 for p, v, s in grid[i + 1 :] if not (out / p / v / f"seed{s}" / "result.json").exists()
                 )
-                eta = train.format_duration((time.time() - t0) / trained * remaining)
+                eta = data.format_duration((time.time() - t0) / trained * remaining)
                 print(f"=== study: {i + 1}/{len(grid)} runs done, ETA {eta}", flush=True)
     except StudyStopped as e:
         print(e)
         return 0
-    except (train.ConfigError, data.DataError, train.TrainingDiverged, train.SaveFailed) as e:
+    except (ConfigError, data.DataError, train.TrainingDiverged, run_infra.SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     summary = summarise(runs, offsets)

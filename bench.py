@@ -47,7 +47,9 @@ import torch.nn.functional as F
 
 import data
 import model as model_module
+import run_infra
 import train
+from config import ArgumentParser, ConfigError
 from data import IGNORE_INDEX, Batch
 from model import (
     FLEX_KERNEL_OPTIONS,
@@ -193,14 +195,14 @@ def bench_training_step(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     compiled = torch.compile(model) if device.type == "cuda" else model
-    n_counted = (batch.targets != IGNORE_INDEX).sum()
+    n_counted = batch.counted.sum()
 
     def step():
         with autocast:
             if variant == "reference_causal":
                 loss = compiled(batch.inputs, batch.inputs)  # targets: any tokens do
             else:
-                loss = train.token_losses(compiled, batch, cfg).sum() / n_counted
+                loss = train.token_losses(compiled, batch, cfg)[0].sum() / n_counted
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -281,7 +283,7 @@ def error_line(e: BaseException) -> str:
 
 def main(argv: list[str]) -> int:
     cuda = torch.cuda.is_available()
-    parser = train.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument(
         "--seq_lens", default="1024,4096,8192" if cuda else "256", help="comma-separated sequence lengths"
     )
@@ -351,8 +353,8 @@ def main(argv: list[str]) -> int:
     base = GPTConfig(vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     try:
         for seq_len in seq_lens:
-            train.check_fits(dataclasses.replace(base, seq_len=seq_len), max(1, args.tokens // seq_len), device)
-    except train.ConfigError as e:
+            run_infra.check_fits(dataclasses.replace(base, seq_len=seq_len), max(1, args.tokens // seq_len), device)
+    except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     peak, peak_dtype = peak_matmul_flops(device)

@@ -149,9 +149,9 @@ def prepare(dataset: Path, data_dir: Path, tokenizer: str = "bpe") -> dict:
 
 
 def main(argv: list[str]) -> int:
-    import train  # its ArgumentParser reports a bad argument in one line, like every script here
+    from config import ArgumentParser  # reports a bad argument in one line, like every script here
 
-    parser = train.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--gb", type=float, default=2.0, help="size of the corpus in GB of text (characters)")
     parser.add_argument("--work_dir", default="bench_data_work", help="where the corpora and shards are written")
     parser.add_argument("--out", default="bench_data.json", help="where the results are written (JSON)")

@@ -1092,6 +1092,17 @@ def eot_positions(stream: TokenStream | np.ndarray, eot_id: int, chunk: int = 1 
 # chunk of a long one) and padding.
 
 
+@dataclass(frozen=True)
+class Flags:
+    """The three fixes of packing, on by default; each one off is an ablation (README: "The three flags").
+    Each flag's whole effect is one line: reset_position_ids and mask_boundary_loss in `make_batch`,
+    doc_mask in model.attention_mask."""
+
+    doc_mask: bool = True  # attend only within the document
+    reset_position_ids: bool = True  # positions restart at 0 in each document
+    mask_boundary_loss: bool = True  # no loss on predicting a document's first token from the previous one
+
+
 def document_ids(inputs: torch.Tensor, eot_id: int) -> torch.Tensor:
     """Exclusive cumulative sum of EOT: an EOT keeps the id of the document it ends."""
     is_eot = (inputs == eot_id).long()
@@ -1123,6 +1134,11 @@ class Batch:
     position_ids: torch.Tensor  # (B, T) position fed to the model
     doc_positions: torch.Tensor  # (B, T) position within the document, for loss-by-position reports
 
+    @property
+    def counted(self) -> torch.Tensor:
+        """(B, T) bool: the targets that count in the loss."""
+        return self.targets != IGNORE_INDEX
+
     def to(self, device: torch.device | str) -> "Batch":
         """To CUDA from pinned memory without blocking, so the next batch is built while the GPU works."""
         cuda = torch.device(device).type == "cuda"
@@ -1136,8 +1152,8 @@ def make_batch(
     n_real: np.ndarray,
     seq_len: int,
     eot_id: int,
-    reset_position_ids: bool = True,
-    mask_boundary_loss: bool = True,
+    *,
+    flags: Flags = Flags(),
     doc_offsets: np.ndarray | None = None,
 ) -> Batch:
     """Gather rows [start, start + n_real) of the stream into a batch (vectorised, no per-token loop).
@@ -1158,9 +1174,9 @@ def make_batch(
         positions if doc_offsets is None else positions + torch.from_numpy(doc_offsets)[:, None] * (doc_ids == 0)
     )
     # The reset_position_ids flag: its whole effect is this line.
-    position_ids = positions if reset_position_ids else torch.arange(seq_len).expand_as(inputs).clone()
+    position_ids = positions if flags.reset_position_ids else torch.arange(seq_len).expand_as(inputs).clone()
     # The mask_boundary_loss flag: its whole effect is this line.
-    if mask_boundary_loss:
+    if flags.mask_boundary_loss:
         targets = boundary_loss_masked(inputs, targets, eot_id)
     return Batch(inputs.contiguous(), targets, doc_ids, position_ids, doc_positions)
 
@@ -1199,10 +1215,10 @@ class PackedBatches:
         seq_len: int,
         batch_size: int,
         packing: str = "concat",
+        *,
+        flags: Flags = Flags(),
         shuffle: bool = True,
         seed: int = 0,
-        reset_position_ids: bool = True,
-        mask_boundary_loss: bool = True,
         split: str = "train",
         rank: int = 0,
         world_size: int = 1,
@@ -1222,7 +1238,7 @@ class PackedBatches:
             )
         self.stream, self.eot_id, self.seq_len, self.batch_size = stream, eot_id, seq_len, batch_size
         self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
-        self.reset_position_ids, self.mask_boundary_loss = reset_position_ids, mask_boundary_loss
+        self.flags = flags
         self.epoch, self.cursor = 0, 0
         self._order = self._epoch_order()
 
@@ -1240,9 +1256,8 @@ class PackedBatches:
             np.concatenate([self.n_real[rows], empty]),
             self.seq_len,
             self.eot_id,
-            self.reset_position_ids,
-            self.mask_boundary_loss,
-            np.concatenate([self.offsets[rows], empty]),
+            flags=self.flags,
+            doc_offsets=np.concatenate([self.offsets[rows], empty]),
         )
 
     def next(self) -> Batch:
@@ -1289,24 +1304,26 @@ DATA_KEYS = (
 
 
 def main(argv: list[str]) -> int:
-    import train  # the settings, their defaults and their checks are train.py's
+    import config  # the settings, their defaults and their checks are train.py's
+    import data  # run as a script this file is __main__: prepare_data raises the module `data`'s DataError
+    import train
 
     if any(a in ("-h", "--help") for a in argv):
-        print(train.help_text(DATA_KEYS, usage="\n\n".join(__doc__.split("\n\n")[:2])))
+        print(config.help_text("\n\n".join(__doc__.split("\n\n")[:2]), keys=DATA_KEYS))
         return 0
     args = list(argv)
-    config = [args.pop(0)] if args and args[0].endswith(".toml") else []
+    config_file = [args.pop(0)] if args and args[0].endswith(".toml") else []
     if args and not args[0].startswith("--"):
         args[0] = f"--dataset={args[0]}"
     try:
         for arg in args:
             key = arg[2:].split("=", 1)[0]
-            if arg.startswith("--") and key in train.Config.__dataclass_fields__ and key not in DATA_KEYS:
-                raise train.ConfigError(f"{key} is not a data setting; data.py takes {', '.join(DATA_KEYS)}")
-        cfg = train.parse_config(config + args)
+            if arg.startswith("--") and key in config.Config.__dataclass_fields__ and key not in DATA_KEYS:
+                raise config.ConfigError(f"{key} is not a data setting; data.py takes {', '.join(DATA_KEYS)}")
+        cfg = config.parse_config(config_file + args)
         path = train.prepare_data(cfg, log=print)
-        meta = train.data.load_shards(path).meta
-    except (train.ConfigError, train.DataError) as e:  # train's: this file runs as __main__, not as data
+        meta = data.load_shards(path).meta
+    except (config.ConfigError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"ready: {path}")

@@ -78,8 +78,13 @@ AttentionMask = BlockMask | torch.Tensor | None
 FLEX_KERNEL_OPTIONS: dict = {}
 
 
-def use_flex(config: GPTConfig, device: torch.device) -> bool:
-    return config.attn_impl == "flex" or (config.attn_impl == "auto" and device.type == "cuda")
+def attention_impl(config: GPTConfig, device: torch.device) -> str:
+    """'flex' or 'sdpa': the one place that decides. The document mask is a FlexAttention BlockMask on
+    CUDA (auto) or when asked for; SDPA computes everything else: plain causal attention, and the document
+    mask as a dense boolean mask on CPU, where FlexAttention has no backward."""
+    if config.doc_mask and (config.attn_impl == "flex" or (config.attn_impl == "auto" and device.type == "cuda")):
+        return "flex"
+    return "sdpa"
 
 
 def attention_mask(doc_ids: torch.Tensor, config: GPTConfig) -> AttentionMask:
@@ -87,7 +92,7 @@ def attention_mask(doc_ids: torch.Tensor, config: GPTConfig) -> AttentionMask:
     compiled model, and pass the result to GPT.forward."""
     if not config.doc_mask:
         return None
-    if use_flex(config, doc_ids.device):
+    if attention_impl(config, doc_ids.device) == "flex":
         return document_causal_block_mask(doc_ids)
     return document_causal_dense(doc_ids)
 

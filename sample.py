@@ -14,11 +14,13 @@ from pathlib import Path
 
 import torch
 
-import train
+import run_infra
+from config import MAX_SEED, ArgumentParser, ConfigError, resolve_device
+from data import DataError
 
 
 def main(argv: list[str]) -> int:
-    parser = train.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--out_dir", default="out", help="the training run's folder (holds ckpt.pt)")
     parser.add_argument("--prompt", default="def ", help="text the samples continue; each starts a new document")
     parser.add_argument("--num_samples", type=int, default=1, help="how many samples to print")
@@ -31,17 +33,15 @@ def main(argv: list[str]) -> int:
     for name, minimum in (("num_samples", 1), ("max_new_tokens", 0), ("top_k", 0), ("seed", 0)):
         if getattr(args, name) < minimum:
             parser.error(f"--{name}={getattr(args, name)}: must be at least {minimum}")
-    if args.seed > train.MAX_SEED:
-        parser.error(f"--seed={args.seed}: must be at most {train.MAX_SEED}")
+    if args.seed > MAX_SEED:
+        parser.error(f"--seed={args.seed}: must be at most {MAX_SEED}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         parser.error(f"--temperature={args.temperature}: must be a finite number, at least 0")
 
     try:
-        device = train.resolve_device(args.device)
-        state = train.read_checkpoint(Path(args.out_dir) / "ckpt.pt")
-        model = train.trained_model(state, device, attn_impl="sdpa")  # one document: no mask needed
-        enc = train.checkpoint_tokenizer(state)
-    except (train.ConfigError, train.DataError) as e:
+        device = resolve_device(args.device)
+        model, enc, state = run_infra.load_run(Path(args.out_dir), device, attn_impl="sdpa")  # one document: no mask
+    except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     prompt = torch.tensor([enc.encode_ordinary(args.prompt)], dtype=torch.long, device=device)

@@ -1,12 +1,12 @@
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
+from data import IGNORE_INDEX
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 WORDS = (
     "def class return self value items for in if else while import from yield lambda None True False "
@@ -55,3 +55,18 @@ def tiny_args(corpus: Path, data_dir: Path, out_dir: Path, **overrides) -> list[
     )
     settings.update(overrides)
     return [f"--{k}={v}" for k, v in settings.items()]
+
+
+def reference_semantics(x: list[int], y: list[int], eot: int) -> tuple[list[int], list[int], list[int]]:
+    """The spec, one token at a time: doc ids, reset positions, loss-masked targets."""
+    doc, pos, masked = [], [], []
+    current_doc, current_pos = 0, 0
+    for t, token in enumerate(x):
+        doc.append(current_doc)
+        pos.append(current_pos)
+        masked.append(IGNORE_INDEX if token == eot else y[t])
+        if token == eot:
+            current_doc, current_pos = current_doc + 1, 0
+        else:
+            current_pos += 1
+    return doc, pos, masked

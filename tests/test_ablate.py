@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT
 
 import ablate
-from train import ConfigError
+from config import ConfigError
 
 
 @pytest.mark.parametrize("name", ["ablate_cpu.toml", "ablate_gpu.toml"])
@@ -29,6 +29,7 @@ def test_bad_study_settings_are_one_clear_error(tmp_path):
         ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--n_layers=3"])
 
 
+@pytest.mark.slow
 def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_path):
     config = tmp_path / "tiny.toml"
     config.write_text(

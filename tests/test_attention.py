@@ -93,6 +93,7 @@ def test_every_query_attends_to_at_least_itself():
     assert allowed.diagonal(dim1=-2, dim2=-1).all()
 
 
+@pytest.mark.slow
 def test_bench_script_runs_and_reports_every_variant(tmp_path):
     import json
     import subprocess
@@ -129,6 +130,7 @@ def test_bench_script_runs_and_reports_every_variant(tmp_path):
     assert "| 128 | real | 1.0 | learned | reference_causal |" in result.stdout
 
 
+@pytest.mark.slow
 def test_bench_records_a_failing_variant_and_goes_on(tmp_path, monkeypatch):
     import json
 

@@ -427,6 +427,7 @@ def test_leftovers_of_a_killed_preparation_are_removed(tmp_path):
     assert not leftover.exists()
 
 
+@pytest.mark.slow
 def test_two_processes_preparing_the_same_data_share_one_copy(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", make_documents(40000, seed=7))  # seconds to prepare: they overlap
     command = [sys.executable, "data.py", corpus, f"--data_dir={tmp_path / 'data'}", "--tokenizer_vocab_size=300"]
@@ -440,6 +441,7 @@ def test_two_processes_preparing_the_same_data_share_one_copy(tmp_path):
     assert all(f"ready: {folders[0]}" in out for out, _ in outputs)
 
 
+@pytest.mark.slow
 def test_data_command_prepares_and_reports(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", make_documents(100))
     command = [sys.executable, "data.py", corpus, f"--data_dir={tmp_path / 'data'}", "--tokenizer_vocab_size=300"]
@@ -461,6 +463,7 @@ def test_progress_prints_rates_and_eta_as_plain_lines_off_a_terminal():
     assert all(part in lines[0] for part in ("encoding", "25.0%", "docs/s", "M tok/s", "ETA"))
 
 
+@pytest.mark.slow
 def test_data_benchmark_runs_at_a_tiny_size(tmp_path):
     out = tmp_path / "bench_data.json"
     command = [sys.executable, "bench_data.py", "--gb=0.002", f"--work_dir={tmp_path / 'work'}", f"--out={out}"]

@@ -10,7 +10,10 @@ import pytest
 import torch.distributed as dist
 from conftest import ROOT, tiny_args
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+pytestmark = [  # every test here starts processes
+    pytest.mark.slow,
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+]
 
 
 def losses(out_dir) -> list[tuple]:

@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from data import IGNORE_INDEX, make_batch
+from data import IGNORE_INDEX, Flags, make_batch
 from model import GPT, GPTConfig, attention_mask
 
 EOT = 63
@@ -11,8 +11,8 @@ T = 24
 STREAM = np.array([5, 6, 7, EOT, 8, 9, EOT, 10, 11, 12, 13, EOT] * 3, dtype=np.uint16)
 
 
-def batch(**flags):
-    return make_batch(STREAM, np.array([0, 5]), np.array([T + 1, T + 1]), T, EOT, **flags)
+def batch(**flags: bool):
+    return make_batch(STREAM, np.array([0, 5]), np.array([T + 1, T + 1]), T, EOT, flags=Flags(**flags))
 
 
 def test_reset_position_ids_off_changes_only_the_position_ids():

@@ -11,6 +11,7 @@ all they do.
 """
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -25,6 +26,9 @@ import ablate
 import bench
 import sample
 import train
+from config import Config
+
+pytestmark = pytest.mark.slow  # every test here runs the scripts' main functions
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "40"))
 FUZZ = settings(
@@ -136,7 +140,7 @@ def folders(*values: str) -> list[Path]:
     return [Path(v) for v in values if v.strip()]
 
 
-TRAIN_KEYS = [f.name for f in train.dataclasses.fields(train.Config) if f.name not in ("compile", "wandb")]
+TRAIN_KEYS = [f.name for f in dataclasses.fields(Config) if f.name not in ("compile", "wandb")]
 
 
 @FUZZ

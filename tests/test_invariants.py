@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from data import IGNORE_INDEX, make_batch
+from data import Flags, make_batch
 from model import GPT, GPTConfig, attention_mask
 from train import accumulate_gradients, token_losses
 
@@ -24,10 +24,10 @@ def documents(seed: int = 0, lengths=(9, 6, 12)) -> list[np.ndarray]:
     return [np.append(rng.integers(0, EOT, n - 1), EOT).astype(np.uint16) for n in lengths]
 
 
-def packed(docs: list[np.ndarray], **flags):
+def packed(docs: list[np.ndarray], **flags: bool):
     """One row holding the documents back to back, padded to T."""
     stream = np.concatenate(docs)
-    return make_batch(stream, np.array([0]), np.array([len(stream)]), T, EOT, **flags)
+    return make_batch(stream, np.array([0]), np.array([len(stream)]), T, EOT, flags=Flags(**flags))
 
 
 def alone(doc: np.ndarray):
@@ -40,7 +40,8 @@ def logits(model: GPT, batch) -> torch.Tensor:
 
 
 def summed_loss(model: GPT, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    return token_losses(model, batch, model.config).sum(), (batch.targets != IGNORE_INDEX).sum()
+    losses, counted = token_losses(model, batch, model.config)
+    return losses.sum(), counted.sum()
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
@@ -124,7 +125,7 @@ def test_gradient_accumulation_normalises_by_counted_targets_of_the_whole_step()
     # two micro-batches with very different numbers of counted targets
     short, long = documents(1, lengths=(4,)), documents(2, lengths=(10, 11, 9))
     micro = [packed(short), packed(long)]
-    assert (micro[0].targets != IGNORE_INDEX).sum() * 5 < (micro[1].targets != IGNORE_INDEX).sum()
+    assert micro[0].counted.sum() * 5 < micro[1].counted.sum()
     model = tiny_gpt("learned")
     accumulated = accumulate_gradients(model, micro, torch.autocast("cpu", enabled=False), model.config)
     grads_accumulated = [p.grad.clone() for p in model.parameters()]

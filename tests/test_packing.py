@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from conftest import reference_semantics
 
 from data import (
     IGNORE_INDEX,
@@ -24,21 +25,6 @@ def row_from_lengths(lengths: list[int], start_offset: int = 0) -> torch.Tensor:
     for i, n in enumerate(lengths):
         tokens += [10 + i] * (n - 1) + [EOT]
     return torch.tensor(tokens[start_offset:])
-
-
-def reference_semantics(x: list[int], y: list[int], eot: int = EOT) -> tuple[list[int], list[int], list[int]]:
-    """The spec, one token at a time: doc ids, reset positions, loss-masked targets."""
-    doc, pos, masked = [], [], []
-    current_doc, current_pos = 0, 0
-    for t, token in enumerate(x):
-        doc.append(current_doc)
-        pos.append(current_pos)
-        masked.append(IGNORE_INDEX if token == eot else y[t])
-        if token == eot:
-            current_doc, current_pos = current_doc + 1, 0
-        else:
-            current_pos += 1
-    return doc, pos, masked
 
 
 def test_worked_example_lengths_3_2_3():
@@ -90,7 +76,7 @@ def test_vectorised_batch_matches_the_token_by_token_reference():
     b = make_batch(stream, starts, n_real, T, EOT)
     for r, s in enumerate(starts):
         x, y = stream[s : s + T].tolist(), stream[s + 1 : s + T + 1].tolist()
-        docs, pos, masked = reference_semantics(x, y)
+        docs, pos, masked = reference_semantics(x, y, EOT)
         assert b.inputs[r].tolist() == x
         assert b.doc_ids[r].tolist() == docs
         assert b.position_ids[r].tolist() == pos

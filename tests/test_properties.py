@@ -4,11 +4,11 @@ row) keep every invariant and the loss-mask rule, for both position kinds and al
 import numpy as np
 import pytest
 import torch
+from conftest import reference_semantics
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_packing import reference_semantics
 
-from data import IGNORE_INDEX, make_batch, pad_rows
+from data import IGNORE_INDEX, Flags, make_batch, pad_rows
 from model import GPT, GPTConfig, attention_mask
 
 EOT = 63
@@ -39,8 +39,8 @@ def layouts(draw):
     return stream, start
 
 
-def row(stream, start, **flags):
-    return make_batch(stream, np.array([start]), np.array([T + 1]), T, EOT, **flags)
+def row(stream, start, **flags: bool):
+    return make_batch(stream, np.array([start]), np.array([T + 1]), T, EOT, flags=Flags(**flags))
 
 
 def segments(doc_ids: torch.Tensor) -> list[tuple[int, int]]:

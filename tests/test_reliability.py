@@ -16,8 +16,9 @@ from conftest import ROOT, make_documents, tiny_args
 
 import data
 import train
+from config import ConfigError, parse_config
 from data import DataError, PrepareSettings
-from train import ConfigError, TrainingDiverged, parse_config
+from train import TrainingDiverged
 
 SMALL = PrepareSettings(vocab_size=300)
 
@@ -56,6 +57,7 @@ def long_args(tiny_corpus, tmp_path_factory):
     return args, records(reference)
 
 
+@pytest.mark.slow
 def test_resume_after_kill_9_at_random_steps_is_exact(long_args, tmp_path):
     args, uninterrupted = long_args
     out = tmp_path / "killed"
@@ -72,6 +74,7 @@ def test_resume_after_kill_9_at_random_steps_is_exact(long_args, tmp_path):
     assert records(out) == uninterrupted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_stop_signal_finishes_the_step_saves_and_exits_0(long_args, tmp_path, signum):
     args, uninterrupted = long_args
@@ -90,6 +93,7 @@ def test_stop_signal_finishes_the_step_saves_and_exits_0(long_args, tmp_path, si
     assert resumed.returncode == 0 and records(out) == uninterrupted
 
 
+@pytest.mark.slow
 def test_a_save_interrupted_midway_leaves_the_previous_checkpoint(long_args, tmp_path, monkeypatch):
     args, _ = long_args
     out = tmp_path / "run"
@@ -108,6 +112,7 @@ def test_a_save_interrupted_midway_leaves_the_previous_checkpoint(long_args, tmp
     assert torch.load(out / "ckpt.pt", weights_only=False)["step"] == 3
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(long_args, tmp_path, monkeypatch):
     args, _ = long_args
     out = tmp_path / "run"
@@ -142,11 +147,13 @@ def test_single_file_that_is_not_utf8(tmp_path):
         list(data.read_documents(data.resolve_dataset(str(path))))
 
 
+@pytest.mark.slow
 def test_dataset_too_small_for_a_batch(tiny_corpus, tmp_path):
     with pytest.raises(DataError, match=r"fewer than batch_size 4096"):
         train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "o", batch_size=4096)))
 
 
+@pytest.mark.slow
 def test_dataset_too_small_for_the_validation_set(tmp_path):
     corpus = tmp_path / "small.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"doc {i} " * 30}) + "\n" for i in range(20)))
@@ -170,6 +177,7 @@ def test_shard_with_token_ids_outside_the_vocabulary(tiny_corpus, tmp_path):
         data.load_shards(path)
 
 
+@pytest.mark.slow
 def test_shards_with_another_tokenizer_than_the_checkpoint(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     args = tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)
@@ -181,6 +189,7 @@ def test_shards_with_another_tokenizer_than_the_checkpoint(tiny_corpus, tmp_path
         train.train(parse_config(args + ["--max_iters=4", "--resume=true"]))
 
 
+@pytest.mark.slow
 def test_unreadable_checkpoint(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -189,6 +198,7 @@ def test_unreadable_checkpoint(tiny_corpus, tmp_path):
         train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out) + ["--resume=true"]))
 
 
+@pytest.mark.slow
 def test_out_dir_not_writable(tiny_corpus, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -196,6 +206,7 @@ def test_out_dir_not_writable(tiny_corpus, tmp_path):
         train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", blocker / "out")))
 
 
+@pytest.mark.slow
 def test_flex_on_cpu_is_refused(tiny_corpus, tmp_path):
     with pytest.raises(ConfigError, match="FlexAttention has no backward on CPU"):
         train.train(
@@ -203,6 +214,7 @@ def test_flex_on_cpu_is_refused(tiny_corpus, tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_flags_with_pad_packing_warn(tiny_corpus, tmp_path, capsys):
     train.train(
         parse_config(
@@ -243,6 +255,7 @@ def one_error_line(result: subprocess.CompletedProcess, *fragments: str) -> None
     assert all(f in lines[-1] for f in fragments), (fragments, lines[-1])
 
 
+@pytest.mark.slow
 def test_a_fresh_run_never_replaces_a_finished_one(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     args = tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)
@@ -255,6 +268,7 @@ def test_a_fresh_run_never_replaces_a_finished_one(tiny_corpus, tmp_path):
     assert torch.load(out / "ckpt.pt", weights_only=False)["config"]["n_embd"] == 64
 
 
+@pytest.mark.slow
 def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(long_args, tmp_path):
     args, _ = long_args
     out = tmp_path / "run"
@@ -271,6 +285,7 @@ def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(long_
     assert records(out)[-1]["step"] == step + 2
 
 
+@pytest.mark.slow
 def test_a_preparation_in_progress_is_waited_for(tiny_corpus, tmp_path):
     data_dir = tmp_path / "data"
     source = data.resolve_dataset(str(tiny_corpus))
@@ -291,6 +306,7 @@ def test_a_preparation_in_progress_is_waited_for(tiny_corpus, tmp_path):
     assert waiting.returncode == 0 and f"ready: {data_dir / name}" in stdout, stderr
 
 
+@pytest.mark.slow
 def test_sampling_works_from_anywhere_and_from_a_copied_run_folder(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)))
@@ -308,6 +324,7 @@ def test_sampling_works_from_anywhere_and_from_a_copied_run_folder(tiny_corpus, 
     assert result.returncode == 0 and "--- sample 1" in result.stdout, result.stderr
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_the_old_one(tiny_corpus, tmp_path):
     import resource
 
@@ -359,6 +376,7 @@ def test_non_finite_and_out_of_range_settings_are_refused_before_anything_else(t
             parse_config([bad, "--resume=true", f"--out_dir={tmp_path / 'none'}"] if "out_dir" not in bad else [bad])
 
 
+@pytest.mark.slow
 def test_a_model_too_large_for_the_machine_is_refused(tiny_corpus, tmp_path):
     with pytest.raises(ConfigError, match=r"needs about .* GB .* this machine has"):
         train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "o", n_embd=200_000)))
@@ -372,6 +390,7 @@ def test_config_files_that_are_folders_or_not_utf8(tmp_path):
         parse_config([str(tmp_path / "latin1.toml")])
 
 
+@pytest.mark.slow
 def test_foreign_and_truncated_checkpoints(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -388,6 +407,7 @@ def test_foreign_and_truncated_checkpoints(tiny_corpus, tmp_path):
     one_error_line(run_cli("sample.py", f"--out_dir={real}", "--num_samples=x"), "--num_samples")
 
 
+@pytest.mark.slow
 def test_resuming_to_fewer_steps_than_the_checkpoint_is_refused(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     args = tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=4, eval_interval=2)
@@ -396,6 +416,7 @@ def test_resuming_to_fewer_steps_than_the_checkpoint_is_refused(tiny_corpus, tmp
         train.train(parse_config(args + ["--max_iters=2", "--resume=true"]))
 
 
+@pytest.mark.slow
 def test_data_dir_that_is_a_file_is_refused_before_reading_the_corpus(tiny_corpus, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -403,6 +424,7 @@ def test_data_dir_that_is_a_file_is_refused_before_reading_the_corpus(tiny_corpu
         train.train(parse_config(tiny_args(tiny_corpus, blocker, tmp_path / "o")))
 
 
+@pytest.mark.slow
 def test_a_dataset_folder_that_holds_the_runs_outputs_skips_them(tmp_path, monkeypatch, capsys):
     project = tmp_path / "project"
     project.mkdir()
@@ -420,6 +442,7 @@ def test_a_dataset_folder_that_holds_the_runs_outputs_skips_them(tmp_path, monke
         parse_config(["--dataset="])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "table, message",
     [
@@ -437,6 +460,7 @@ def test_ablate_settings_of_the_wrong_type(tmp_path, table, message):
     one_error_line(run_cli("ablate.py", str(config)), message)
 
 
+@pytest.mark.slow
 def test_bench_checks_its_arguments_before_it_runs(tmp_path):
     one_error_line(run_cli("bench.py", "--seq_lens=0"), "--seq_lens")
     one_error_line(run_cli("bench.py", "--doc_len=0"), "--doc_len")

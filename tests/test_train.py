@@ -13,7 +13,8 @@ import torch
 from conftest import ROOT, tiny_args
 
 import train
-from train import Config, ConfigError, parse_config
+from config import Config, ConfigError, parse_config
+from data import Flags
 
 
 def run_cli(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -45,6 +46,14 @@ def test_cli_overrides_file_and_types_are_parsed(tmp_path):
     assert (cfg.pos_emb, cfg.max_iters, cfg.doc_mask, cfg.lr) == ("rope", 7, False, 1e-3)
 
 
+@pytest.mark.parametrize("flag", ["doc_mask", "reset_position_ids", "mask_boundary_loss"])
+def test_each_flag_reaches_its_own_field_of_flags(flag):
+    assert parse_config([]).flags == Flags()
+    assert parse_config([f"--{flag}=false"]).flags == Flags(**{flag: False})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(Flags(), flag, False)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -72,6 +81,7 @@ def test_toml_that_does_not_parse(tmp_path):
         parse_config([str(bad)])
 
 
+@pytest.mark.slow
 def test_cli_error_is_one_line_without_traceback(tmp_path):
     result = run_cli("train.py", "--pos_emb=alibi")
     assert result.returncode == 1
@@ -81,6 +91,7 @@ def test_cli_error_is_one_line_without_traceback(tmp_path):
     assert missing.stderr.startswith("error: dataset") and missing.stderr.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_help_lists_every_key():
     result = run_cli("train.py", "--help")
     assert result.returncode == 0
@@ -96,6 +107,7 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
 # ---- training runs
 
 
+@pytest.mark.slow
 def test_short_run_learns_writes_metrics_and_checkpoint(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     cfg = parse_config(
@@ -124,6 +136,7 @@ def test_short_run_learns_writes_metrics_and_checkpoint(tiny_corpus, tmp_path):
     assert state["step"] == 40 and state["config"]["lr"] == 1e-2
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly_where_the_run_stopped(tiny_corpus, tmp_path):
     # A constant learning rate (lr = min_lr) makes the schedule independent of max_iters, so stopping at
     # step 4 and resuming to 8 must match 8 straight steps bit for bit; dropout exercises the RNG state.
@@ -150,6 +163,7 @@ def test_resume_continues_exactly_where_the_run_stopped(tiny_corpus, tmp_path):
     assert without_rates(metrics(fresh)) != straight
 
 
+@pytest.mark.slow
 def test_resume_with_a_different_model_setting_is_refused(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)))
@@ -157,21 +171,37 @@ def test_resume_with_a_different_model_setting_is_refused(tiny_corpus, tmp_path)
         train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, n_embd=64) + ["--resume=true"]))
 
 
-@pytest.mark.parametrize(
-    "variant",
-    ["--doc_mask=false", "--reset_position_ids=false", "--mask_boundary_loss=false", "--pos_emb=rope", "--packing=pad"],
-)
-def test_each_variant_trains(tiny_corpus, tmp_path, variant):
+VARIANTS = [
+    "--doc_mask=false",
+    "--reset_position_ids=false",
+    "--mask_boundary_loss=false",
+    "--pos_emb=rope",
+    "--packing=pad",
+]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_corpus, tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("reference")
+    return train.train(parse_config(tiny_args(tiny_corpus, tmp / "data", tmp / "run", max_iters=2, eval_interval=2)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_variant_trains_and_differs_from_the_reference(tiny_corpus, tmp_path, variant, reference_run):
+    # The same seed, data order and init as the reference, so a setting that training ignored (a flag not
+    # passed on to the batches or the model) would give the reference's numbers to the last bit.
     out = tmp_path / "run"
     result = train.train(
         parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2) + [variant])
     )
-    assert result["val_doc_loss"] > 0
-    assert json.loads((out / "config.json").read_text())[variant[2:].split("=")[0]] != getattr(
-        Config(), variant[2:].split("=")[0]
-    )
+    key, value = variant[2:].split("=")
+    assert str(json.loads((out / "config.json").read_text())[key]).lower() == value
+    assert result["val_loss"] != reference_run["val_loss"]  # under the run's own packing and flags
+    assert result["val_doc_loss"] != reference_run["val_doc_loss"]  # the same evaluation: the weights differ
 
 
+@pytest.mark.slow
 def test_sample_script_generates_from_the_checkpoint(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)))
@@ -182,6 +212,7 @@ def test_sample_script_generates_from_the_checkpoint(tiny_corpus, tmp_path):
     assert missing.returncode == 1 and missing.stderr.startswith("error:") and "Traceback" not in missing.stderr
 
 
+@pytest.mark.slow
 def test_wandb_logs_offline(tiny_corpus, tmp_path):
     pytest.importorskip("wandb")
     out = tmp_path / "run"

@@ -1,0 +1,367 @@
+"""Run infrastructure: everything around the recipe in train.py that makes a run safe to stop, resume
+and share. The run folder and its lock, checkpoints (written atomically, with every process's RNG state
+and the tokenizer, so a run folder stands alone), loading a trained model back, the metrics log, stop
+signals, and the helpers for several processes (torchrun).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import signal
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import tiktoken
+import torch
+import torch.distributed as dist
+
+import data
+from config import RESUMABLE_CHANGES, Config, ConfigError, resolve_device
+from model import GPT, GPTConfig
+
+
+class SaveFailed(Exception):
+    """A checkpoint could not be written (disk full, file size limit); printed as one line."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The run folder and the machine
+
+
+@contextmanager
+def run_folder(cfg: Config):
+    """Hold out_dir for the run's lifetime: refuse a folder that another run is using (a lock that the
+    OS drops if that run dies) or that holds a finished run this one would replace."""
+    out_dir = Path(cfg.out_dir)
+    ckpt = out_dir / "ckpt.pt"
+    if cfg.resume and not ckpt.is_file():
+        raise ConfigError(f"resume=true but {ckpt} does not exist; start without --resume=true")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"out_dir {out_dir} is not writable ({e.strerror})") from None
+    with ExitStack() as held:
+        try:
+            held.enter_context(data.exclusive_lock(out_dir / ".lock"))
+        except BlockingIOError as e:
+            raise ConfigError(
+                f"{out_dir} is in use by another run (process {e.args[0]}); wait for it or pick another out_dir"
+            ) from None
+        if ckpt.exists() and not cfg.resume and not cfg.overwrite:
+            raise ConfigError(
+                f"{out_dir} holds a run (ckpt.pt): continue it with --resume=true, pick another out_dir, "
+                "or replace it with --overwrite=true"
+            )
+        yield
+
+
+def check_fits(config: GPTConfig, batch_size: int, device: torch.device) -> None:
+    """Refuse a model that cannot fit: weights, gradients and AdamW state (16 bytes a parameter in fp32)
+    plus one fp32 copy of the logits are a lower bound on what training needs."""
+    d, T = config.n_embd, config.seq_len
+    params = config.vocab_size * d + config.n_layer * (12 * d * d + 4 * d) + 2 * d
+    params += T * d if config.pos_emb == "learned" else 0
+    need = 16 * params + 4 * batch_size * T * config.vocab_size
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ConfigError(
+            f"the model ({params / 1e6:,.1f}M parameters, {batch_size} x {T} tokens a micro-batch) needs about "
+            f"{need / 1e9:,.1f} GB to train on {device.type}, and this machine has {have / 1e9:,.1f} GB"
+        )
+
+
+def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
+    """(rank, world_size, device). Under torchrun (WORLD_SIZE > 1) joins the process group: NCCL on GPU,
+    gloo on CPU, one GPU per process."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_device(cfg.device)
+    if world_size == 1:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), world_size, device
+
+
+def any_process(flag: bool, device: torch.device) -> bool:
+    """True on every process if it is true on any (a collective: call it on all of them)."""
+    flag_tensor = torch.tensor(float(flag), device=device)
+    dist.all_reduce(flag_tensor, op=dist.ReduceOp.MAX)
+    return bool(flag_tensor.item())
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """Write to a temporary file and rename it over the old one, so a kill or a failure mid-save leaves
+    the previous checkpoint intact."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch reports a failed write (disk full, size limit) as RuntimeError
+        tmp.unlink(missing_ok=True)
+        reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0]
+        raise SaveFailed(f"could not save the checkpoint {path} ({reason}); the previous checkpoint is kept") from None
+
+
+CHECKPOINT_KEYS = {"model", "optimizer", "config", "model_config", "step", "data", "rng", "tokenizer_sha256"}
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A checkpoint written by train.py, or one line saying why the file is not one."""
+    if not path.is_file():
+        raise ConfigError(f"{path} not found; train first with: python train.py --out_dir={path.parent}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # a truncated or foreign file fails in many ways inside torch and pickle
+        raise ConfigError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
+    if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
+        raise ConfigError(f"{path} is not a checkpoint written by train.py")
+    return state
+
+
+def load_checkpoint(path: Path, cfg: Config, world_size: int) -> dict:
+    """The checkpoint to resume from, checked against the settings of this run and its process count."""
+    state = read_checkpoint(path)
+    saved = state["config"]
+    changed = sorted(k for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_CHANGES and saved.get(k) != v)
+    if changed:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)
+        raise ConfigError(f"cannot resume {path} with a different model or data setting ({detail})")
+    if state["step"] > cfg.max_iters:
+        raise ConfigError(
+            f"{path} is at step {state['step']}, past max_iters={cfg.max_iters}: raise max_iters to train further"
+        )
+    if len(state["rng"]) != world_size:
+        raise ConfigError(f"{path} was written by {len(state['rng'])} process(es): resume with as many")
+    return state
+
+
+class Checkpointer:
+    """Writes out_dir/ckpt.pt: the model, the optimizer, the data position and every process's RNG state,
+    with the settings and the tokenizer, so the run resumes exactly and its folder stands alone."""
+
+    def __init__(self, cfg: Config, model_config: GPTConfig, shard_path: Path, shards: data.Shards) -> None:
+        self.path = Path(cfg.out_dir) / "ckpt.pt"
+        enc = data.load_tokenizer(shard_path)
+        self.fixed = {
+            "config": dataclasses.asdict(cfg),
+            "model_config": dataclasses.asdict(model_config),
+            "tokenizer_sha256": shards.meta["tokenizer_sha256"],
+            "tokenizer": {
+                "name": enc.name,
+                "pattern": enc._pat_str,
+                "file": (shard_path / "tokenizer.tiktoken").read_bytes(),
+            },
+            "shards": str(shard_path.resolve()),
+        }
+
+    def save(self, step: int, model: GPT, optimizer: torch.optim.Optimizer, batches: data.PackedBatches) -> None:
+        """A collective under DDP: every process calls it, process 0 writes."""
+        rng = [rng_states()]
+        if dist.is_initialized():
+            rng = [None] * dist.get_world_size()
+            dist.all_gather_object(rng, rng_states())
+            if dist.get_rank() != 0:
+                return
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "data": batches.state_dict(),
+            "rng": rng,
+            **self.fixed,
+        }
+        save_checkpoint(self.path, state)
+
+
+def rng_states() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def trained_model(state: dict, device: torch.device, attn_impl: str | None = None) -> GPT:
+    """The model of a checkpoint, in eval mode; attn_impl overrides the attention it trained with."""
+    config = GPTConfig(**state["model_config"])
+    if attn_impl is not None:
+        config.attn_impl = attn_impl
+    model = GPT(config)
+    model.load_state_dict(state["model"])
+    return model.to(device).eval()
+
+
+def checkpoint_tokenizer(state: dict) -> tiktoken.Encoding:
+    """The tokenizer a checkpoint was trained with, stored in it so a run folder stands alone."""
+    if "tokenizer" not in state:  # written before checkpoints held their tokenizer
+        if not (Path(state["shards"]) / "tokenizer.tiktoken").is_file():
+            raise ConfigError(f"this checkpoint's tokenizer was beside its shards, {state['shards']}, which are gone")
+        return data.load_tokenizer(Path(state["shards"]))
+    tok = state["tokenizer"]
+    return data.encoding_from_file_bytes(tok["file"], tok["pattern"], tok["name"])
+
+
+class TrainedRun(NamedTuple):
+    model: GPT
+    tokenizer: tiktoken.Encoding
+    checkpoint: dict
+
+
+def load_run(out_dir: Path, device: torch.device, attn_impl: str | None = None) -> TrainedRun:
+    """The trained model of a run folder (in eval mode), its tokenizer and its checkpoint; attn_impl
+    overrides the attention the model trained with."""
+    state = read_checkpoint(Path(out_dir) / "ckpt.pt")
+    return TrainedRun(trained_model(state, device, attn_impl), checkpoint_tokenizer(state), state)
+
+
+# ----------------------------------------------------------------------------------------------
+# The metrics log and stop signals
+
+
+class MetricsLog:
+    """out_dir/metrics.jsonl, plus wandb when asked for, and the progress lines: each training record
+    carries the throughput since the previous one (evaluations excluded) and the ETA. Its clock starts
+    when the `with` block is entered, at the first step."""
+
+    def __init__(
+        self, out_dir: Path, cfg: Config, resume_step: int | None, world_size: int = 1, enabled: bool = True
+    ) -> None:
+        self.path, self.enabled, self.wandb_run = out_dir / "metrics.jsonl", enabled, None
+        self.first_step, self.max_iters, self.world_size = resume_step or 0, cfg.max_iters, world_size
+        self.tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * world_size
+        self.counted_since_log: torch.Tensor | int = 0  # on the device until a log step: no per-step sync
+        if not enabled:  # processes other than 0 under DDP
+            return
+        if resume_step is None:
+            self.path.write_text("")
+        else:  # drop what was logged after the checkpoint, so the log reads as one run
+            lines = self.path.read_text().splitlines() if self.path.exists() else []
+            self.path.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= resume_step))
+        if cfg.wandb:
+            try:
+                import wandb
+
+                self.wandb_run = wandb.init(
+                    project=cfg.wandb_project,
+                    name=cfg.wandb_run_name or out_dir.name,
+                    config=dataclasses.asdict(cfg),
+                    resume="allow",
+                    dir=os.environ.get("WANDB_DIR", str(out_dir)),
+                )
+            except Exception as e:
+                print(
+                    f"warning: wandb logging is off ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                    "set WANDB_MODE=offline to log without an account",
+                    file=sys.stderr,
+                )
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if not isinstance(v, list)}, step=record["step"])
+
+    def count(self, batches: list[data.Batch]) -> None:
+        """Add a step's counted targets, for the rate of useful tokens."""
+        self.counted_since_log = self.counted_since_log + sum(b.counted.sum() for b in batches)
+
+    def training(self, step: int, loss: torch.Tensor, lr: float) -> None:
+        """Write and print the training record of this step."""
+        if not self.enabled:
+            return
+        now = time.time()
+        tok_s = (step - self.step_at_log) * self.tokens_per_step / (now - self.t_log)
+        eta = (now - self.t_start) / (step - self.first_step) * (self.max_iters - step)
+        record = {
+            "step": step,
+            "train_loss": round(loss.item(), 4),
+            "lr": lr,
+            "tokens_per_sec": round(tok_s),
+            "counted_tokens_per_sec": round(float(self.counted_since_log) * self.world_size / (now - self.t_log)),
+        }
+        self.write(record)
+        print(
+            f"step {step:>5}/{self.max_iters} | loss {record['train_loss']:.4f} | lr {lr:.2e} | "
+            f"{tok_s:,.0f} tok/s | ETA {data.format_duration(eta)}",
+            flush=True,
+        )
+        self.t_log, self.step_at_log, self.counted_since_log = time.time(), step, 0
+
+    def evaluated(self, result: dict, seconds: float) -> None:
+        """Print the evaluation (written already, before its checkpoint); its time does not count against
+        training throughput."""
+        if self.enabled:
+            print(
+                f"eval {result['step']:>5} | val_loss {result['val_loss']:.4f} | "
+                f"val_doc_loss {result['val_doc_loss']:.4f} | {seconds:.1f}s, checkpoint saved",
+                flush=True,
+            )
+        self.t_log += seconds
+
+    def __enter__(self) -> "MetricsLog":
+        self.t_start = self.t_log = time.time()
+        self.step_at_log = self.first_step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+class StopRequest:
+    """Ctrl-C / SIGTERM: finish the step in flight, checkpoint, exit 0. A context manager, so the
+    previous handlers come back when training returns."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __enter__(self) -> "StopRequest":
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint", flush=True)
+
+    def agreed(self, step: int, every: int, device: torch.device) -> bool:
+        """Stop after this step? Under DDP the processes agree every `every` steps (a collective, on all
+        of them), so none is left waiting for the others."""
+        if not dist.is_initialized():
+            return self.requested
+        return step % every == 0 and any_process(self.requested, device)
