@@ -3,12 +3,14 @@
     python ablate.py configs/ablate_cpu.toml               # a 2-core CPU, under an hour
     python ablate.py configs/ablate_gpu.toml               # one GPU
     python ablate.py configs/ablate_cpu.toml --seeds=5 --max_iters=400 --n_layer=6
+    python ablate.py configs/import_leak_cpu.toml          # the import-leak study, 2-core CPU
 
-The config file holds train.py keys plus an [ablate] table (seeds, out_dir, probe settings); any
-train.py key or --seeds can be overridden after it. Every run of a study uses the same data order, model
-init and number of real (non-padding) training tokens; only the variant's settings differ, and a run's
-seed sets both init and data order, so differences are paired by seed. Finished runs are skipped, so an
-interrupted study continues where it stopped.
+The config file holds train.py keys plus an [ablate] table (seeds, out_dir, the position kinds and
+variants to run, probe settings, and import_leak = true to run the import-leak probe of import_leak.py
+on every run); any train.py key or --seeds can be overridden after it. Every run of a study uses the
+same data order, model init and number of real (non-padding) training tokens; only the variant's
+settings differ, and a run's seed sets both init and data order, so differences are paired by seed.
+Finished runs are skipped, so an interrupted study continues where it stopped.
 
 Pad is run twice: `pad` sees as many real tokens as a packed run (more steps), `pad_equal_compute` as
 many steps and rows (the same FLOPs, fewer real tokens). Each effect (the paired difference to the
@@ -16,7 +18,7 @@ reference, the offset probe's effect, the contamination) gets a 95% confidence i
 verdict: "hurts", "helps", "no effect" (the interval within +-0.01 nats) or "unresolved".
 
 Written to the study's out_dir: results.md (the table), results.json (every number in it, per run
-too), val_loss.png, loss_by_position.png, offset_probe.png.
+too), val_loss.png, loss_by_position.png, offset_probe.png, and import_leak.png with the leak probe.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ import numpy as np
 import torch
 
 import data
+import import_leak
 import run_infra
 import train
 from config import RESUMABLE_CHANGES, Config, ConfigError, parse_config, read_config_file, resolve_device
 from data import IGNORE_INDEX
 from model import GPT
+from stats import NO_EFFECT, confidence_interval, mean_spread, verdict
 
 POSITION_KINDS = ("learned", "rope")
 VARIANTS = {  # name: the train.py settings it changes from the reference
@@ -51,8 +55,18 @@ VARIANTS = {  # name: the train.py settings it changes from the reference
     "pad": {"packing": "pad"},  # as many real tokens as a packed run: more steps
     "pad_equal_compute": {"packing": "pad"},  # as many steps and rows as a packed run: fewer real tokens
 }
-# probe_offsets: k values of the offset probe; 0 and seq_len / 2 are always added
-ABLATE_DEFAULTS = {"seeds": 3, "out_dir": "out/ablate", "probe_docs": 64, "probe_offsets": [64]}
+# probe_offsets: k values of the offset probe; 0 and seq_len / 2 are always added. import_leak: run the
+# import-leak probe (import_leak.py) on every run, with up to leak_pairs pairs; it needs whole Python files.
+ABLATE_DEFAULTS = {
+    "seeds": 3,
+    "out_dir": "out/ablate",
+    "pos_embs": list(POSITION_KINDS),
+    "variants": list(VARIANTS),
+    "probe_docs": 64,
+    "probe_offsets": [64],
+    "import_leak": False,
+    "leak_pairs": 64,
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,7 +105,11 @@ def check_settings(settings: dict) -> None:
             return value
         return int(value) if isinstance(value, str) and value.strip().lstrip("-").isdigit() else None
 
-    for key, what in (("seeds", "a whole number of seeds"), ("probe_docs", "a whole number of documents")):
+    for key, what in (
+        ("seeds", "a whole number of seeds"),
+        ("probe_docs", "a whole number of documents"),
+        ("leak_pairs", "a whole number of pairs"),
+    ):
         number = whole(settings[key])
         if number is None:
             raise ConfigError(f"{key}={settings[key]!r}: expected {what}")
@@ -103,6 +121,15 @@ def check_settings(settings: dict) -> None:
         raise ConfigError(f"probe_offsets={offsets!r}: expected a list of token counts, each at least 1")
     if not isinstance(settings["out_dir"], str) or not settings["out_dir"].strip():
         raise ConfigError(f"out_dir={settings['out_dir']!r}: expected a folder name")
+    for key, valid in (("pos_embs", POSITION_KINDS), ("variants", tuple(VARIANTS))):
+        chosen = settings[key]
+        if not isinstance(chosen, list) or not chosen or not set(chosen) <= set(valid):
+            raise ConfigError(f"{key}={chosen!r}: expected a list of some of {', '.join(valid)}")
+        settings[key] = [v for v in valid if v in chosen]  # in the table's order
+    if "reference" not in settings["variants"]:
+        raise ConfigError("variants must include reference: every effect is measured against it")
+    if not isinstance(settings["import_leak"], bool):
+        raise ConfigError(f"import_leak={settings['import_leak']!r}: expected true or false")
 
 
 def pad_steps_factor(cfg: Config) -> float:
@@ -156,22 +183,10 @@ def doc_loss_in_rows(
 ) -> float:
     """Mean loss over the documents' own targets, each document after its prefix in one row, with the
     run's position and loss settings (its doc_mask is in the model)."""
-    T = cfg.seq_len
     total, count = 0.0, 0
     for i in range(0, len(docs), 32):
         rows = [np.concatenate([p, d]) for p, d in zip(prefixes[i : i + 32], docs[i : i + 32])]
-        stream = np.full((len(rows), T + 1), eot_id, dtype=np.int64)
-        for r, row in enumerate(rows):
-            stream[r, : len(row)] = row
-        flat = stream.reshape(-1)
-        b = data.make_batch(
-            flat,
-            np.arange(len(rows)) * (T + 1),
-            np.array([len(r) for r in rows]),
-            T,
-            eot_id,
-            flags=cfg.flags,
-        )
+        b = data.batch_of_rows(rows, cfg.seq_len, eot_id, flags=cfg.flags)
         own = torch.zeros_like(b.targets, dtype=torch.bool)
         for r, (p, d) in enumerate(zip(prefixes[i : i + 32], docs[i : i + 32])):
             own[r, len(p) : len(p) + len(d) - 1] = True  # targets inside the document, predicted from it
@@ -215,7 +230,7 @@ def run_one(cfg: Config, settings: dict) -> dict:
     # what decides a run's result: the training settings a resume may not change, and the probes
     decided_by = {
         "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_CHANGES},
-        "probes": {k: settings[k] for k in ("probe_docs", "probe_offsets")},
+        "probes": {k: settings[k] for k in ("probe_docs", "probe_offsets", "import_leak", "leak_pairs")},
     }
     if done.exists():
         result = json.loads(done.read_text())
@@ -242,6 +257,8 @@ def run_one(cfg: Config, settings: dict) -> dict:
         "steps": cfg.max_iters,
         **run_probes(out, cfg, settings["probe_docs"], settings["probe_offsets"]),
     }
+    if settings["import_leak"]:
+        result["import_leak"] = import_leak.probe_run(out, resolve_device(cfg.device), settings["leak_pairs"])
     tmp = done.with_suffix(".tmp")
     tmp.write_text(json.dumps({**result, "decided_by": decided_by}))
     os.replace(tmp, done)  # a run counts as finished only once its probes are written
@@ -259,76 +276,18 @@ class StudyStopped(Exception):
     pass
 
 
-def mean_spread(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 with one value)."""
-    return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
-
-
-# Two-sided 95% quantiles of Student's t with 1..30 degrees of freedom (standard tables); 1.96 beyond.
-T_975 = (
-    12.706,
-    4.303,
-    3.182,
-    2.776,
-    2.571,
-    2.447,
-    2.365,
-    2.306,
-    2.262,
-    2.228,
-    2.201,
-    2.179,
-    2.160,
-    2.145,
-    2.131,
-    2.120,
-    2.110,
-    2.101,
-    2.093,
-    2.086,
-    2.080,
-    2.074,
-    2.069,
-    2.064,
-    2.060,
-    2.056,
-    2.052,
-    2.048,
-    2.045,
-    2.042,
-)
-NO_EFFECT = 0.01  # nats: an effect whose whole confidence interval lies within +-0.01 is "no effect"
-
-
-def confidence_interval(values: list[float]) -> tuple[float, float]:
-    """95% confidence interval of the mean of `values` (Student's t); infinite with fewer than 2."""
-    if len(values) < 2:
-        return -math.inf, math.inf
-    mean, sd = mean_spread(values)
-    half = (T_975[len(values) - 2] if len(values) <= 31 else 1.96) * sd / math.sqrt(len(values))
-    return mean - half, mean + half
-
-
-def verdict(interval: tuple[float, float]) -> str:
-    """What a confidence interval of a loss difference says: the variant "hurts" (raises the loss) or
-    "helps", "no effect" when the whole interval lies within +-NO_EFFECT, else "unresolved"."""
-    low, high = interval
-    if -NO_EFFECT <= low and high <= NO_EFFECT:
-        return "no effect"
-    if low > 0:
-        return "hurts"
-    if high < 0:
-        return "helps"
-    return "unresolved"
+# The loss verdicts in the words of the leak: a positive change is more leak.
+LEAK_VERDICTS = {"hurts": "leaks", "helps": "below alone", "no effect": "no leak"}
 
 
 def summarise(runs: dict, offsets: list[int]) -> dict:
     """Per (position kind, variant): mean and spread of each metric; and, each with its 95% confidence
     interval and verdict, the paired (same seed) difference to the reference, the offset effect (the
-    probe documents' loss after the longest offset minus alone) and the contamination."""
+    probe documents' loss after the longest offset minus alone), the contamination and, where it ran,
+    the import leak (log-prob change of "import m" with one file before, sampled leak rate change)."""
     summary = {}
-    for pos in POSITION_KINDS:
-        for variant in VARIANTS:
+    for pos in runs:
+        for variant in runs[pos]:
             cell = runs[pos][variant]
             ref = runs[pos]["reference"]
             seeds = sorted(cell)
@@ -348,11 +307,21 @@ def summarise(runs: dict, offsets: list[int]) -> dict:
                 ],
                 "contamination": metrics["contamination"],
             }
+            if all("import_leak" in cell[s] for s in seeds):
+                effects["leak_logprob"] = [
+                    cell[s]["import_leak"]["logprob"]["k=1,extra=0"]["delta_logprob"] for s in seeds
+                ]
+                effects["leak_rate"] = [cell[s]["import_leak"]["sampling"]["difference"] for s in seeds]
+                for key in cell[seeds[0]]["import_leak"]["logprob"]:
+                    deltas = [cell[s]["import_leak"]["logprob"][key]["delta_logprob"] for s in seeds]
+                    entry[f"leak_logprob_{key}"] = mean_spread(deltas) if None not in deltas else None
             for name, values in effects.items():
                 interval = confidence_interval(values)
                 entry[name] = mean_spread(values)
                 entry[f"{name}_ci95"] = [x if math.isfinite(x) else None for x in interval]
-                entry[f"{name}_verdict"] = verdict(interval)
+                entry[f"{name}_verdict"] = (LEAK_VERDICTS if name.startswith("leak") else {}).get(
+                    verdict(interval), verdict(interval)
+                )
             if variant == "reference":
                 entry["delta_val_doc_loss_verdict"] = "-"  # the reference against itself
             entry["seeds"] = len(seeds)
@@ -430,6 +399,27 @@ def format_report(summary: dict, env: dict, settings: dict, offsets: list[int], 
             f"| {effect(entry, 'contamination')} | {entry['wall_seconds'][0]:.1f} "
             f"| {entry['useful_tokens_per_sec'][0]:,.0f} |"
         )
+    leak_keys = [k for k in next(iter(summary.values())) if k.startswith("leak_logprob_k=")]
+    if leak_keys:
+        lines += [
+            "",
+            "## Import leak",
+            "",
+            "Pairs (A, B) of validation files where A imports a module m that B never mentions (import_leak.py). "
+            "`Δ log P`: log-prob of `import m` / `from m import` at B's first import with A before B in the row, "
+            "minus B alone. `Δ leak rate`: how much more often an import line sampled there names a module of A "
+            "that B never uses. Verdicts: `leaks` when the interval (over seeds) lies above 0, `no leak` when "
+            f"within ±{NO_EFFECT}, else `unresolved`. Then Δ log P by the number of files before B (each "
+            "importing m) and the tokens of each kept after its import of m.",
+            "",
+            "| variant | Δ log P, 1 file | verdict | Δ leak rate | verdict | "
+            + " | ".join(k.removeprefix("leak_logprob_").replace(",", ", ") for k in leak_keys)
+            + " |",
+            "|" + " --- |" * (5 + len(leak_keys)),
+        ]
+        for key, entry in summary.items():
+            growth = " | ".join("" if entry[k] is None else ms(entry[k]) for k in leak_keys)
+            lines.append(f"| {key} | {effect(entry, 'leak_logprob')} | {effect(entry, 'leak_rate')} | {growth} |")
     return "\n".join(lines) + "\n"
 
 
@@ -440,9 +430,10 @@ def plot(runs: dict, offsets: list[int], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     def per_variant(fn):
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-        for ax, pos in zip(axes, POSITION_KINDS):
-            for variant in VARIANTS:
+        fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), sharey=True, squeeze=False)
+        axes = axes[0]
+        for ax, pos in zip(axes, runs):
+            for variant in runs[pos]:
                 fn(ax, runs[pos][variant], variant)
             ax.set_title(f"pos_emb = {pos}")
             ax.grid(alpha=0.3)
@@ -483,6 +474,20 @@ def plot(runs: dict, offsets: list[int], out: Path) -> None:
     axes[0].set_xlabel("tokens of other documents before the document (k)")
     axes[0].set_ylabel("loss on the document")
     fig.savefig(out / "offset_probe.png", dpi=110, bbox_inches="tight")
+
+    def leak_growth(ax, cell, variant):
+        logprob = [r["import_leak"]["logprob"] for r in cell.values()]
+        for extra, style in zip(import_leak.EXTRA_TOKENS, ("-", "--")):
+            ks = [k for k in import_leak.PRECEDING_FILES if logprob[0][f"k={k},extra={extra}"]["pairs"]]
+            deltas = np.array([[lp[f"k={k},extra={extra}"]["delta_logprob"] for k in ks] for lp in logprob])
+            label = f"{variant}, {extra} tokens after the import"
+            ax.errorbar(ks, deltas.mean(0), yerr=deltas.std(0), ls=style, marker="o", capsize=3, label=label)
+
+    if all("import_leak" in r for pos in runs for cell in runs[pos].values() for r in cell.values()):
+        fig, axes = per_variant(leak_growth)
+        axes[0].set_xlabel("files before B that import m")
+        axes[0].set_ylabel("Δ log P(import m) vs B alone (nats)")
+        fig.savefig(out / "import_leak.png", dpi=110, bbox_inches="tight")
     plt.close("all")
 
 
@@ -504,9 +509,12 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"out_dir {out} cannot be a folder ({e.strerror})") from None
         pad_factor = pad_steps_factor(base)
         grid = [
-            (pos, variant, seed) for pos in POSITION_KINDS for variant in VARIANTS for seed in range(settings["seeds"])
+            (pos, variant, seed)
+            for pos in settings["pos_embs"]
+            for variant in settings["variants"]
+            for seed in range(settings["seeds"])
         ]
-        runs: dict = {pos: {variant: {} for variant in VARIANTS} for pos in POSITION_KINDS}
+        runs: dict = {pos: {variant: {} for variant in settings["variants"]} for pos in settings["pos_embs"]}
         t0 = time.time()
         trained = 0
         for i, (pos, variant, seed) in enumerate(grid):
@@ -549,7 +557,10 @@ def main(argv: list[str]) -> int:
     )
     plot(runs, offsets, out)
     print("\n" + report)
-    print(f"wrote {out / 'results.md'}, results.json, val_loss.png, loss_by_position.png, offset_probe.png")
+    leak_figure = ", import_leak.png" if settings["import_leak"] else ""
+    print(
+        f"wrote {out / 'results.md'}, results.json, val_loss.png, loss_by_position.png, offset_probe.png{leak_figure}"
+    )
     return 0
 
 

@@ -1181,6 +1181,18 @@ def make_batch(
     return Batch(inputs.contiguous(), targets, doc_ids, position_ids, doc_positions)
 
 
+def batch_of_rows(rows: list[np.ndarray], seq_len: int, eot_id: int, flags: Flags = Flags()) -> Batch:
+    """A batch whose row r holds the tokens rows[r] (at most seq_len + 1: the inputs and the last target),
+    padded like any row. For probes that lay documents out in a row by hand."""
+    if any(len(row) > seq_len + 1 for row in rows):
+        raise ValueError(f"a row holds at most seq_len + 1 = {seq_len + 1} tokens")
+    stream = np.full((len(rows), seq_len + 1), eot_id, dtype=np.int64)
+    for r, row in enumerate(rows):
+        stream[r, : len(row)] = row
+    starts = np.arange(len(rows)) * (seq_len + 1)
+    return make_batch(stream.reshape(-1), starts, np.array([len(row) for row in rows]), seq_len, eot_id, flags=flags)
+
+
 def concat_rows(n_tokens: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Contiguous, non-overlapping windows of T+1 tokens (consecutive rows share one token, as x/y do)."""
     starts = np.arange(0, n_tokens - seq_len, seq_len, dtype=np.int64)

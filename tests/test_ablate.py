@@ -9,6 +9,7 @@ import pytest
 from conftest import ROOT
 
 import ablate
+import stats
 from config import ConfigError
 
 
@@ -98,11 +99,11 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
 
 
 def test_confidence_interval_and_verdicts():
-    low, high = ablate.confidence_interval([1.0, 2.0, 3.0])  # mean 2, sd 1, t(2) = 4.303
+    low, high = stats.confidence_interval([1.0, 2.0, 3.0])  # mean 2, sd 1, t(2) = 4.303
     assert low == pytest.approx(2 - 4.303 / 3**0.5) and high == pytest.approx(2 + 4.303 / 3**0.5)
-    assert ablate.confidence_interval([0.5]) == (float("-inf"), float("inf"))
-    assert ablate.verdict(ablate.confidence_interval([0.03, 0.04, 0.035])) == "hurts"
-    assert ablate.verdict(ablate.confidence_interval([-0.03, -0.04, -0.035])) == "helps"
-    assert ablate.verdict(ablate.confidence_interval([0.001, -0.002, 0.0, 0.001])) == "no effect"
-    assert ablate.verdict(ablate.confidence_interval([0.03, -0.04, 0.01])) == "unresolved"
-    assert ablate.verdict(ablate.confidence_interval([0.5])) == "unresolved"
+    assert stats.confidence_interval([0.5]) == (float("-inf"), float("inf"))
+    assert stats.verdict(stats.confidence_interval([0.03, 0.04, 0.035])) == "hurts"
+    assert stats.verdict(stats.confidence_interval([-0.03, -0.04, -0.035])) == "helps"
+    assert stats.verdict(stats.confidence_interval([0.001, -0.002, 0.0, 0.001])) == "no effect"
+    assert stats.verdict(stats.confidence_interval([0.03, -0.04, 0.01])) == "unresolved"
+    assert stats.verdict(stats.confidence_interval([0.5])) == "unresolved"

@@ -1,0 +1,348 @@
+"""The import-leak probe: completing a Python file, does the model suggest the imports of the files that
+came before it in the row? The failure that the document mask exists to prevent, measured directly.
+
+    python import_leak.py --out_dir=out/run              # a run folder trained on whole Python files
+    python import_leak.py --out_dir=out/run --pairs=128 --samples=8
+
+From held-out documents of the run's corpus it forms pairs (A, B): A imports a module m that B never
+mentions. B is cut just before its first import statement. Under the run's own settings (its attention
+mask and position ids):
+
+  log-prob  log P(B goes on with "import m" or "from m import"), with k files that import m before B in
+            the row, minus the same with B alone from position 0; for k = 1, 2, 4 and for those files cut
+            right after their import of m ("extra 0") or with more of their text after it;
+  sampling  how often the import line sampled for B names a module that the file before it imports and
+            B never mentions, with that file before B and with B alone.
+
+With the document mask on (and positions reset) B cannot see A: the log-prob difference is 0 to float
+rounding and the two sampling rates differ only by chance. The probe needs documents that are whole
+Python files (dataset=stdlib-files, or a corpus of files); the results print as a table and are written
+to out_dir/import_leak.json.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+import torch
+
+import data
+import run_infra
+import train
+from config import ArgumentParser, Config, ConfigError, resolve_device
+from data import IGNORE_INDEX, Flags
+from model import GPT, attention_mask
+from stats import confidence_interval
+
+IMPORT_LINE = re.compile(r"(?:import|from)[ \t]+([A-Za-z_]\w*)")
+PRECEDING_FILES = (1, 2, 4)  # k: files that import m before B
+EXTRA_TOKENS = (0, 64)  # tokens of each preceding file kept after its import of m
+IMPORT_WITHIN = 48  # a preceding file's import of m ends within its first this many tokens
+MAX_CONTEXT = 96  # B's tokens before its first import, at most
+VAL_TOKENS = 4_000_000  # the probe reads the validation split's first documents up to this many tokens
+
+
+@dataclass
+class PythonFile:
+    text: str
+    imports: dict[str, int]  # top-level module -> character offset of the end of the line that first imports it
+    first_import: int | None  # character offset of the start of the first module-level import
+
+
+def parse_file(text: str) -> PythonFile | None:
+    """The module-level imports of a Python file (relative imports and __future__ left out), or None if
+    the text does not parse."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+    line_starts = [0] + [m.end() for m in re.finditer("\n", text)]
+
+    def offset(line: int) -> int:  # character offset of the start of 1-based line `line` (the end: past the last)
+        return line_starts[line - 1] if line <= len(line_starts) else len(text)
+
+    imports, first_import = {}, None
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names = [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module.split(".")[0]]
+        else:
+            continue
+        first_import = offset(node.lineno) if first_import is None else first_import
+        for name in names:
+            if name != "__future__":
+                imports.setdefault(name, offset(node.end_lineno + 1))
+    return PythonFile(text, imports, first_import)
+
+
+def mentions(text: str, module: str) -> bool:
+    return re.search(rf"\b{re.escape(module)}\b", text) is not None
+
+
+@dataclass
+class LeakPair:
+    """B's start, the module m it never mentions, and the files before it that import m."""
+
+    document: int  # B's index among the documents
+    sources: list[int]  # the preceding files' indices, in order
+    module: str
+    leak_modules: set[str]  # the modules of the first preceding file that B never mentions
+    context: np.ndarray  # B's tokens before its first import
+    continuations: list[np.ndarray]  # the tokens of "import m" and "from m import" after the context
+    preceding: dict[tuple[int, int], np.ndarray]  # (k, extra) -> the k files' tokens, each ending in EOT
+    context_rest: str  # what is left of B's text before its import line after the context's tokens
+
+
+def excerpt(f: PythonFile, module: str, extra: int, enc: tiktoken.Encoding) -> list[int]:
+    """A preceding file: its start up to the end of its import of `module`, `extra` tokens more, its EOT."""
+    end = f.imports[module]
+    return enc.encode_ordinary(f.text[:end]) + enc.encode_ordinary(f.text[end:])[:extra] + [enc.eot_token]
+
+
+def find_pairs(texts: list[str], enc: tiktoken.Encoding, n_pairs: int, seed: int = 0) -> list[LeakPair]:
+    """Up to n_pairs pairs from these documents, deterministic given the seed. Each B is used once, with a
+    module m that max(PRECEDING_FILES) other documents import near their start and that B never mentions."""
+    files = [parse_file(t) for t in texts]
+    rng = np.random.default_rng(seed)
+    importers: dict[str, list[int]] = {}
+    for i, f in enumerate(files):
+        for module, end in f.imports.items() if f else []:
+            if len(enc.encode_ordinary(f.text[:end])) <= IMPORT_WITHIN:
+                importers.setdefault(module, []).append(i)
+    pairs = []
+    for b in rng.permutation(len(files)):
+        f = files[b]
+        if f is None or f.first_import is None or len(pairs) == n_pairs:
+            continue
+        context_text = f.text[: f.first_import]
+        candidates = sorted(
+            m for m, who in importers.items() if len(set(who) - {b}) >= max(PRECEDING_FILES) and not mentions(f.text, m)
+        )
+        if not candidates:
+            continue
+        module = candidates[rng.integers(len(candidates))]
+        sources = [i for i in rng.permutation(importers[module]) if i != b][: max(PRECEDING_FILES)]
+        joint = [enc.encode_ordinary(context_text + c) for c in (f"import {module}", f"from {module} import")]
+        own = enc.encode_ordinary(context_text)
+        # the token boundary both continuations share with B's own start (BPE may merge across the cut)
+        n = min(next((j for j, (x, y) in enumerate(zip(own, seq)) if x != y), min(len(own), len(seq))) for seq in joint)
+        if not 0 < n <= MAX_CONTEXT:
+            continue
+
+        preceding = {
+            (k, extra): np.array(sum((excerpt(files[i], module, extra, enc) for i in sources[:k]), []), dtype=np.int64)
+            for k in PRECEDING_FILES
+            for extra in EXTRA_TOKENS
+        }
+        first = files[sources[0]]
+        pairs.append(
+            LeakPair(
+                document=int(b),
+                sources=[int(i) for i in sources],
+                module=module,
+                leak_modules={m for m in first.imports if not mentions(f.text, m)},
+                context=np.array(own[:n], dtype=np.int64),
+                continuations=[np.array(seq[n:], dtype=np.int64) for seq in joint],
+                preceding=preceding,
+                context_rest=f.text[len(enc.decode(own[:n])) : f.first_import],
+            )
+        )
+    return pairs
+
+
+def continuation_logprobs(
+    model: GPT, flags: Flags, eot_id: int, rows: list[tuple[np.ndarray, np.ndarray]], device: torch.device
+) -> np.ndarray:
+    """log P(continuation | row start) for each (row start, continuation), under the run's settings."""
+    out = []
+    for i in range(0, len(rows), 32):
+        chunk = [np.concatenate([s, c]) for s, c in rows[i : i + 32]]
+        length = max(len(row) for row in chunk) - 1  # rows as long as needed: causal, so nothing changes
+        batch = data.batch_of_rows(chunk, length, eot_id, flags=flags)
+        scored = torch.zeros_like(batch.targets, dtype=torch.bool)
+        for r, (start, continuation) in enumerate(rows[i : i + 32]):
+            scored[r, len(start) - 1 : len(start) + len(continuation) - 1] = True  # targets: the continuation
+        batch.targets = batch.targets.masked_fill(~scored, IGNORE_INDEX)
+        with torch.no_grad():
+            losses, _ = train.token_losses(model, batch.to(device), model.config)
+        out.append(-losses.sum(1).double().cpu().numpy())
+    return np.concatenate(out)
+
+
+def import_logprob(model: GPT, flags: Flags, eot_id: int, pairs: list[LeakPair], device: torch.device) -> dict:
+    """For each (k, extra) and alone: per pair, log P("import m" or "from m import") after B's context."""
+    T = model.config.seq_len
+    settings = [None] + [(k, e) for k in PRECEDING_FILES for e in EXTRA_TOKENS]
+    result = {}
+    for setting in settings:
+        rows, owners = [], []
+        for p, pair in enumerate(pairs):
+            before = pair.preceding[setting] if setting else np.zeros(0, dtype=np.int64)
+            start = np.concatenate([before, pair.context])
+            if len(start) + max(len(c) for c in pair.continuations) > T + 1:
+                continue  # does not fit in a row
+            rows += [(start, c) for c in pair.continuations]
+            owners.append(p)
+        if not rows:
+            result[setting] = {}
+            continue
+        logp = continuation_logprobs(model, flags, eot_id, rows, device).reshape(len(owners), -1)
+        result[setting] = dict(zip(owners, np.logaddexp.reduce(logp, axis=1).tolist()))
+    return result
+
+
+@torch.no_grad()
+def sample_import_lines(
+    model: GPT,
+    flags: Flags,
+    enc: tiktoken.Encoding,
+    starts: list[np.ndarray],
+    context_rests: list[str],
+    generator: torch.Generator,
+    device: torch.device,
+    max_tokens: int = 8,
+) -> list[str | None]:
+    """For each row start (ending with B's context), the module of the import line the model samples at
+    B's import position (temperature 1), or None when it samples something else there."""
+    T, eot = model.config.seq_len, enc.eot_token
+    rows = [list(s) for s in starts]
+    for _ in range(max_tokens):
+        open_rows = [r for r in range(len(rows)) if len(rows[r]) < T]
+        if not open_rows:
+            break
+        length = max(len(rows[r]) for r in open_rows)  # as long as needed: causal, so nothing changes
+        batch = data.batch_of_rows([np.array(rows[r]) for r in open_rows], length, eot, flags=flags).to(device)
+        logits = model(batch.inputs, batch.position_ids, attention_mask(batch.doc_ids, model.config))
+        last = torch.tensor([len(rows[r]) - 1 for r in open_rows], device=device)
+        probs = torch.softmax(logits[torch.arange(len(open_rows), device=device), last].float(), dim=-1)
+        probs[:, enc.n_vocab :] = 0  # padded vocabulary slots
+        for r, token in zip(open_rows, torch.multinomial(probs.cpu(), 1, generator=generator)[:, 0].tolist()):
+            rows[r].append(token)
+    modules = []
+    for start, row, rest in zip(starts, rows, context_rests):
+        generated = row[len(start) :]
+        text = enc.decode(generated[: generated.index(eot)] if eot in generated else generated)
+        # an import line only where B's own import line starts: after the rest of B's context, unchanged
+        match = IMPORT_LINE.match(text[len(rest) :]) if text.startswith(rest) else None
+        modules.append(match.group(1) if match else None)
+    return modules
+
+
+def probe(
+    model: GPT, flags: Flags, enc: tiktoken.Encoding, pairs: list[LeakPair], samples: int, device: torch.device
+) -> dict:
+    """Both measures on these pairs, with 95% confidence intervals over pairs."""
+    logp = import_logprob(model, flags, enc.eot_token, pairs, device)
+    alone = logp[None]
+    by_setting = {}
+    for (k, extra), values in ((s, v) for s, v in logp.items() if s is not None):
+        deltas = [values[p] - alone[p] for p in values if p in alone]
+        low, high = confidence_interval(deltas)
+        by_setting[f"k={k},extra={extra}"] = {
+            "files": k,
+            "extra_tokens": extra,
+            "pairs": len(deltas),
+            "delta_logprob": float(np.mean(deltas)) if deltas else None,
+            "ci95": [low, high] if deltas and np.isfinite(low) else None,
+        }
+    generator = torch.Generator().manual_seed(0)
+    repeated = [p for p in pairs for _ in range(samples)]
+    conditions = {}
+    for name, before in (("after", lambda p: p.preceding[(1, 0)]), ("alone", lambda p: np.zeros(0, np.int64))):
+        starts = [np.concatenate([before(p), p.context]) for p in repeated]
+        generator.manual_seed(0)  # the same random numbers for both: with the mask on, the same samples
+        found = sample_import_lines(model, flags, enc, starts, [p.context_rest for p in repeated], generator, device)
+        conditions[name] = (
+            np.array([m in p.leak_modules for m, p in zip(found, repeated)], dtype=float),
+            np.array([m is not None for m in found], dtype=float),
+        )
+    (leak_after, lines_after), (leak_alone, lines_alone) = conditions["after"], conditions["alone"]
+    per_pair = (leak_after - leak_alone).reshape(len(pairs), samples).mean(1)
+    low, high = confidence_interval(per_pair.tolist())
+    return {
+        "pairs": len(pairs),
+        "logprob": by_setting,
+        "logprob_alone_mean": float(np.mean(list(alone.values()))),
+        "sampling": {
+            "samples": len(repeated),
+            "leak_rate_after": float(leak_after.mean()),
+            "leak_rate_alone": float(leak_alone.mean()),
+            "difference": float(per_pair.mean()),
+            "ci95": [low, high] if np.isfinite(low) else None,
+            "import_line_rate_after": float(lines_after.mean()),
+            "import_line_rate_alone": float(lines_alone.mean()),
+        },
+    }
+
+
+def probe_run(out_dir: Path, device: torch.device, n_pairs: int = 64, samples: int = 4) -> dict:
+    """The probe on a run folder's model, under its settings, with pairs from its validation split."""
+    model, enc, checkpoint = run_infra.load_run(out_dir, device)
+    flags = Config(**checkpoint["config"]).flags
+    shards = data.load_shards(Path(checkpoint["shards"]))
+    val = data.leading_documents(shards.val, shards.eot_id, VAL_TOKENS)[:]
+    ends = data.eot_positions(val, shards.eot_id) + 1
+    texts = [enc.decode(val[s : e - 1].tolist()) for s, e in zip(np.r_[0, ends[:-1]], ends)]
+    pairs = find_pairs(texts, enc, n_pairs)
+    if len(pairs) < 2:
+        raise data.DataError(
+            f"the validation split of {checkpoint['shards']} gives {len(pairs)} import-leak pair(s) from "
+            f"{len(texts)} documents: the probe needs whole Python files (e.g. dataset=stdlib-files)"
+        )
+    return probe(model, flags, enc, pairs, samples, device)
+
+
+def format_table(result: dict) -> str:
+    def interval(ci) -> str:
+        return "" if ci is None else f" [{ci[0]:+.3f}, {ci[1]:+.3f}]"
+
+    s = result["sampling"]
+    lines = [
+        f"{result['pairs']} pairs; log P(import m) alone: {result['logprob_alone_mean']:.3f} nats on average",
+        "",
+        "| preceding files | extra tokens each | pairs | log-prob change (nats) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for entry in result["logprob"].values():
+        change = "" if entry["delta_logprob"] is None else f"{entry['delta_logprob']:+.3f}{interval(entry['ci95'])}"
+        lines.append(f"| {entry['files']} | {entry['extra_tokens']} | {entry['pairs']} | {change} |")
+    lines += [
+        "",
+        f"sampled import lines naming a module of the file before: {s['leak_rate_after']:.1%} with it before, "
+        f"{s['leak_rate_alone']:.1%} alone (difference {s['difference']:+.3f}{interval(s['ci95'])}; "
+        f"{s['samples']} samples; an import line sampled {s['import_line_rate_after']:.0%} / "
+        f"{s['import_line_rate_alone']:.0%} of the time)",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = ArgumentParser(description=__doc__)
+    parser.add_argument("--out_dir", default="out", help="the training run's folder (holds ckpt.pt)")
+    parser.add_argument("--pairs", type=int, default=64, help="pairs (A, B) at most, from the validation split")
+    parser.add_argument("--samples", type=int, default=4, help="import lines sampled per pair and condition")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    args = parser.parse_args(argv)
+    for name in ("pairs", "samples"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)}: must be at least 1")
+    try:
+        result = probe_run(Path(args.out_dir), resolve_device(args.device), args.pairs, args.samples)
+    except (ConfigError, data.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    (Path(args.out_dir) / "import_leak.json").write_text(json.dumps(result, indent=1))
+    print(format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,120 @@
+"""The import-leak probe (import_leak.py): its pairs, its invariance under the document mask, and a leak it
+detects in a model trained to copy the previous file's imports."""
+
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import import_leak
+from data import Flags, PackedBatches
+from import_leak import find_pairs, parse_file, probe
+from model import GPT, GPTConfig
+from train import token_losses
+
+MODULES = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+
+
+def python_files(seed: int = 0, n: int = 40) -> list[str]:
+    """Files that each import one or two modules after a docstring, and use them."""
+    rng = random.Random(seed)
+    files = []
+    for i in range(n):
+        used = rng.sample(MODULES, 2 if i % 3 else 1)
+        body = "".join(f"value_{j} = {m}.run({j})\n" for j, m in enumerate(used))
+        files.append(f'"""File {i}."""\n\n' + "".join(f"import {m}\n" for m in used) + "\n" + body)
+    return files
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return data.train_bpe(python_files(0) + python_files(1), vocab_size=320)
+
+
+def test_parse_file_reads_module_level_imports_only():
+    text = (
+        "from __future__ import annotations\nfrom . import sibling\nimport a.b, c\nfrom d.e import f\n"
+        "\ndef g():\n    import h\n"
+    )
+    f = parse_file(text)
+    assert set(f.imports) == {"a", "c", "d"}  # no __future__, no relative import, nothing inside functions
+    assert f.first_import == 0
+    assert text[: f.imports["d"]].endswith("from d.e import f\n")
+    assert parse_file("def broken(:\n") is None
+
+
+def test_pairs_name_a_module_the_preceding_files_import_and_b_never_mentions(enc):
+    texts = python_files(2)
+    pairs = find_pairs(texts, enc, n_pairs=100)
+    assert len(pairs) > 10 and len({p.document for p in pairs}) == len(pairs)  # each B used once
+    for p in pairs:
+        b = texts[p.document]
+        assert not re.search(rf"\b{p.module}\b", b)
+        assert p.document not in p.sources and len(p.sources) == max(import_leak.PRECEDING_FILES)
+        assert all(f"import {p.module}\n" in texts[a] for a in p.sources)
+        assert p.module in p.leak_modules and all(not re.search(rf"\b{m}\b", b) for m in p.leak_modules)
+        before = enc.decode(p.preceding[(2, 0)].tolist()).split(enc.decode([enc.eot_token]))
+        assert [t.endswith(f"import {p.module}\n") for t in before] == [True, True, False]  # 2 files, then ""
+        start = enc.decode(p.context.tolist()) + p.context_rest
+        assert b.startswith(start) and b[len(start) :].startswith("import ")  # cut just before B's first import
+        assert [enc.decode(c.tolist()) for c in p.continuations] == [
+            p.context_rest + f"import {p.module}",
+            p.context_rest + f"from {p.module} import",
+        ]
+    again = find_pairs(texts, enc, n_pairs=100)  # deterministic
+    assert [(p.document, p.sources, p.module, p.context.tolist()) for p in again] == [
+        (p.document, p.sources, p.module, p.context.tolist()) for p in pairs
+    ]
+
+
+def tiny_gpt(vocab_size: int, doc_mask: bool, seq_len: int = 128, n_head: int = 2, n_embd: int = 32) -> GPT:
+    torch.manual_seed(0)
+    return GPT(
+        GPTConfig(vocab_size=vocab_size, seq_len=seq_len, n_layer=2, n_head=n_head, n_embd=n_embd, doc_mask=doc_mask)
+    )
+
+
+def test_with_the_document_mask_the_probe_sees_no_leak_at_all(enc):
+    pairs = find_pairs(python_files(3), enc, n_pairs=12)
+    masked = tiny_gpt(enc.n_vocab, doc_mask=True).eval()
+    result = probe(masked, Flags(), enc, pairs, samples=2, device=torch.device("cpu"))
+    deltas = [e["delta_logprob"] for e in result["logprob"].values() if e["pairs"]]
+    assert len(deltas) >= 4 and max(abs(d) for d in deltas) < 1e-5  # B cannot see what came before it
+    sampling = result["sampling"]
+    assert sampling["difference"] == 0 and sampling["leak_rate_after"] == sampling["leak_rate_alone"]
+    # the same weights without the mask: the files before B change what it predicts
+    unmasked = tiny_gpt(enc.n_vocab, doc_mask=False).eval()
+    unmasked.load_state_dict(masked.state_dict())
+    result = probe(unmasked, Flags(doc_mask=False), enc, pairs, samples=2, device=torch.device("cpu"))
+    assert max(abs(e["delta_logprob"]) for e in result["logprob"].values() if e["pairs"]) > 1e-3
+
+
+def runs_of_files(n_files: int, seed: int) -> list[str]:
+    """Files in runs of four that import the same module: after the first of a run, only a model that sees
+    the file before can know what the next one imports."""
+    rng = random.Random(seed)
+    modules = [rng.choice(MODULES) for _ in range(0, n_files, 4)]
+    return [f'"""File {i}."""\n\nimport {modules[i // 4]}\n\nvalue = {modules[i // 4]}.run()\n' for i in range(n_files)]
+
+
+@pytest.mark.slow
+def test_a_model_trained_to_copy_the_previous_imports_leaks_without_the_mask(enc):
+    flags = Flags(doc_mask=False)
+    model = tiny_gpt(enc.n_vocab, doc_mask=False, seq_len=64, n_head=4, n_embd=64)
+    stream = np.array(sum((enc.encode_ordinary(t) + [enc.eot_token] for t in runs_of_files(8000, seed=0)), []))
+    batches = PackedBatches(stream, enc.eot_token, 64, 16, flags=flags, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(600):
+        losses, counted = token_losses(model, batches.next(), model.config)
+        (losses.sum() / counted.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    pairs = find_pairs(runs_of_files(64, seed=1), enc, n_pairs=16)
+    result = probe(model.eval(), flags, enc, pairs, samples=4, device=torch.device("cpu"))
+    low, _ = result["logprob"]["k=1,extra=0"]["ci95"]
+    assert low > 0.2  # "import m" more likely once a file importing m comes first
+    sampling = result["sampling"]
+    assert sampling["ci95"][0] > 0 and sampling["leak_rate_after"] > sampling["leak_rate_alone"]
