@@ -2,6 +2,7 @@
 figures, and that re-running skips finished runs."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ import stats
 from config import ConfigError
 
 
-@pytest.mark.parametrize("name", ["ablate_cpu.toml", "ablate_gpu.toml"])
+@pytest.mark.parametrize("name", ["ablate_cpu.toml", "ablate_gpu.toml", "import_leak_cpu.toml"])
 def test_shipped_study_configs_parse(name):
     settings, train_args = ablate.parse_args([str(ROOT / "configs" / name), "--seeds=5", "--max_iters=7"])
     assert settings["seeds"] == 5 and "--max_iters=7" in train_args
@@ -28,6 +29,16 @@ def test_bad_study_settings_are_one_clear_error(tmp_path):
         ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--seeds=x"])
     with pytest.raises(ConfigError, match="unknown config key 'n_layers'"):
         ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--n_layers=3"])
+    for table, message in (
+        ('variants = ["no_doc_mask"]', "variants must include reference"),
+        ('variants = ["reference", "no_mask"]', "variants=['reference', 'no_mask']: expected a list of some of"),
+        ('pos_embs = "rope"', "pos_embs='rope': expected a list of some of learned, rope"),
+        ('import_leak = "yes"', "import_leak='yes': expected true or false"),
+        ("leak_pairs = 0", "leak_pairs=0: must be at least 1"),
+    ):
+        config.write_text(f"[ablate]\n{table}\n")
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            ablate.parse_args([str(config)])
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """The import-leak probe (import_leak.py): its pairs, its invariance under the document mask, and a leak it
 detects in a model trained to copy the previous file's imports."""
 
+import json
 import random
 import re
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import ablate
 import data
 import import_leak
 from data import Flags, PackedBatches
@@ -118,3 +120,30 @@ def test_a_model_trained_to_copy_the_previous_imports_leaks_without_the_mask(enc
     assert low > 0.2  # "import m" more likely once a file importing m comes first
     sampling = result["sampling"]
     assert sampling["ci95"][0] > 0 and sampling["leak_rate_after"] > sampling["leak_rate_alone"]
+
+
+@pytest.mark.slow
+def test_a_study_with_the_leak_probe_reports_it_per_variant(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(python_files(5, n=120)):
+        (corpus / f"file{i}.py").write_text(text)
+    config = tmp_path / "leak.toml"
+    config.write_text(
+        f'dataset = "{corpus}"\ndata_dir = "{tmp_path / "data"}"\ntokenizer_vocab_size = 320\nval_fraction = 0.3\n'
+        "seq_len = 128\nn_layer = 1\nn_head = 2\nn_embd = 32\nbatch_size = 4\nmax_iters = 2\neval_interval = 2\n"
+        f'eval_tokens = 512\nwarmup_iters = 1\n[ablate]\nseeds = 2\nout_dir = "{tmp_path / "study"}"\n'
+        'pos_embs = ["learned"]\nvariants = ["reference", "no_doc_mask"]\nprobe_docs = 4\nprobe_offsets = [8]\n'
+        "import_leak = true\nleak_pairs = 8\n"
+    )
+    assert ablate.main([str(config)]) == 0
+    study = tmp_path / "study"
+    summary = json.loads((study / "results.json").read_text())["summary"]
+    assert sorted(summary) == ["learned/no_doc_mask", "learned/reference"]
+    reference = summary["learned/reference"]
+    assert abs(reference["leak_logprob"][0]) < 1e-5 and reference["leak_rate"][0] == 0
+    assert reference["leak_logprob_verdict"] == "no leak"
+    assert summary["learned/no_doc_mask"]["leak_logprob"][0] != 0  # an untrained model still sees A
+    report = (study / "results.md").read_text()
+    assert "## Import leak" in report and report.count("\n| learned/") == 4
+    assert (study / "import_leak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
