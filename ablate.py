@@ -173,7 +173,10 @@ def probe_documents(val: np.ndarray, eot_id: int, n_docs: int, window: int) -> t
     starts = np.concatenate([[0], ends[:-1]])
     docs = [val[s : min(e, s + window + 1)].astype(np.int64) for s, e in zip(starts, ends) if e - s >= 2]
     if len(docs) < n_docs + 2:
-        raise data.DataError(f"the validation split has {len(docs)} documents; the probes need {n_docs + 2}")
+        raise data.DataError(
+            f"the validation split has {len(docs)} documents where the probes look; they need {n_docs + 2}: "
+            "lower probe_docs or raise val_fraction"
+        )
     filler = val[starts[n_docs] :].astype(np.int64)
     return docs[:n_docs], filler
 
@@ -199,23 +202,29 @@ def doc_loss_in_rows(
     return total / count
 
 
+def probe_inputs(
+    shards: data.Shards, n_docs: int, seq_len: int, offsets: list[int]
+) -> tuple[list[np.ndarray], np.ndarray, list[np.ndarray]]:
+    """The probe documents, the filler stream, and one unrelated document for each probe document (cut to
+    the space the offsets leave, keeping its EOT); a DataError when the validation split is too small."""
+    head = leading_stream(shards.val, shards.eot_id, n_docs, seq_len)
+    docs, filler = probe_documents(head, shards.eot_id, n_docs, seq_len - max(offsets))
+    other_docs, _ = probe_documents(filler, shards.eot_id, len(docs), max(offsets) - 1)
+    unrelated = [d if d[-1] == shards.eot_id else np.append(d[:-1], shards.eot_id) for d in other_docs]
+    return docs, filler, unrelated
+
+
 def run_probes(out_dir: Path, cfg: Config, n_docs: int, offsets: list[int]) -> dict:
     device = resolve_device(cfg.device)
     model, _, checkpoint = run_infra.load_run(out_dir, device)
     shards = data.load_shards(Path(checkpoint["shards"]))
-    window = cfg.seq_len - max(offsets)
-    docs, filler = probe_documents(
-        leading_stream(shards.val, shards.eot_id, n_docs, cfg.seq_len), shards.eot_id, n_docs, window
-    )
+    docs, filler, unrelated = probe_inputs(shards, n_docs, cfg.seq_len, offsets)
     offset_loss = {}
     for k in offsets:  # k tokens of other documents first, the last of them an EOT
         prefixes = [
             np.append(filler[i * k : i * k + k - 1], shards.eot_id) if k else filler[:0] for i in range(len(docs))
         ]
         offset_loss[str(k)] = doc_loss_in_rows(model, cfg, shards.eot_id, prefixes, docs, device)
-    # one whole unrelated document first (cut to the space the offsets leave, keeping its EOT)
-    other_docs, _ = probe_documents(filler, shards.eot_id, len(docs), max(offsets) - 1)
-    unrelated = [d if d[-1] == shards.eot_id else np.append(d[:-1], shards.eot_id) for d in other_docs]
     after_other = doc_loss_in_rows(model, cfg, shards.eot_id, unrelated, docs, device)
     return {"offset_loss": offset_loss, "contamination": after_other - offset_loss["0"]}
 
@@ -508,6 +517,8 @@ def main(argv: list[str]) -> int:
         except OSError as e:
             raise ConfigError(f"out_dir {out} cannot be a folder ({e.strerror})") from None
         pad_factor = pad_steps_factor(base)
+        # the probes run after each training run: a validation split too small for them fails here, first
+        probe_inputs(data.load_shards(train.prepare_data(base)), settings["probe_docs"], base.seq_len, offsets)
         grid = [
             (pos, variant, seed)
             for pos in settings["pos_embs"]

@@ -1316,7 +1316,7 @@ DATA_KEYS = (
 
 
 def main(argv: list[str]) -> int:
-    import config  # the settings, their defaults and their checks are train.py's
+    import config  # the settings, their defaults and their checks are train.py's, in config.py
     import data  # run as a script this file is __main__: prepare_data raises the module `data`'s DataError
     import train
 

@@ -2,7 +2,7 @@
 came before it in the row? The failure that the document mask exists to prevent, measured directly.
 
     python import_leak.py --out_dir=out/run              # a run folder trained on whole Python files
-    python import_leak.py --out_dir=out/run --pairs=128 --samples=8
+    python import_leak.py --out_dir=out/run --pairs=128 --samples=16
 
 From held-out documents of the run's corpus it forms pairs (A, B): A imports a module m that B never
 mentions. B is cut just before its first import statement. Under the run's own settings (its attention
@@ -94,7 +94,7 @@ class LeakPair:
     document: int  # B's index among the documents
     sources: list[int]  # the preceding files' indices, in order
     module: str
-    leak_modules: set[str]  # the modules of the first preceding file that B never mentions
+    leak_modules: set[str]  # the modules imported in the first preceding file's excerpt, that B never mentions
     context: np.ndarray  # B's tokens before its first import
     continuations: list[np.ndarray]  # the tokens of "import m" and "from m import" after the context
     preceding: dict[tuple[int, int], np.ndarray]  # (k, extra) -> the k files' tokens, each ending in EOT
@@ -148,7 +148,9 @@ def find_pairs(texts: list[str], enc: tiktoken.Encoding, n_pairs: int, seed: int
                 document=int(b),
                 sources=[int(i) for i in sources],
                 module=module,
-                leak_modules={m for m in first.imports if not mentions(f.text, m)},
+                leak_modules={
+                    m for m, end in first.imports.items() if end <= first.imports[module] and not mentions(f.text, m)
+                },
                 context=np.array(own[:n], dtype=np.int64),
                 continuations=[np.array(seq[n:], dtype=np.int64) for seq in joint],
                 preceding=preceding,
@@ -283,7 +285,7 @@ def probe(
     }
 
 
-def probe_run(out_dir: Path, device: torch.device, n_pairs: int = 64, samples: int = 4) -> dict:
+def probe_run(out_dir: Path, device: torch.device, n_pairs: int = 64, samples: int = 8) -> dict:
     """The probe on a run folder's model, under its settings, with pairs from its validation split."""
     model, enc, checkpoint = run_infra.load_run(out_dir, device)
     flags = Config(**checkpoint["config"]).flags
@@ -328,7 +330,7 @@ def main(argv: list[str]) -> int:
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--out_dir", default="out", help="the training run's folder (holds ckpt.pt)")
     parser.add_argument("--pairs", type=int, default=64, help="pairs (A, B) at most, from the validation split")
-    parser.add_argument("--samples", type=int, default=4, help="import lines sampled per pair and condition")
+    parser.add_argument("--samples", type=int, default=8, help="import lines sampled per pair and condition")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     args = parser.parse_args(argv)
     for name in ("pairs", "samples"):
@@ -339,8 +341,13 @@ def main(argv: list[str]) -> int:
     except (ConfigError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    (Path(args.out_dir) / "import_leak.json").write_text(json.dumps(result, indent=1))
     print(format_table(result))
+    path = Path(args.out_dir) / "import_leak.json"
+    try:
+        path.write_text(json.dumps(result, indent=1))
+    except OSError as e:
+        print(f"error: could not write {path} ({e.strerror})", file=sys.stderr)
+        return 1
     return 0
 
 
