@@ -8,10 +8,13 @@ import re
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_args
 
 import ablate
 import data
 import import_leak
+import train
+from config import parse_config
 from data import Flags, PackedBatches
 from import_leak import find_pairs, parse_file, probe
 from model import GPT, GPTConfig
@@ -147,3 +150,19 @@ def test_a_study_with_the_leak_probe_reports_it_per_variant(tmp_path):
     report = (study / "results.md").read_text()
     assert "## Import leak" in report and report.count("\n| learned/") == 4
     assert (study / "import_leak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_the_command_line_says_in_one_line_what_is_wrong(tiny_corpus, tmp_path, capsys):
+    assert import_leak.main([f"--out_dir={tmp_path / 'none'}"]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'none' / 'ckpt.pt'} not found")
+    with pytest.raises(SystemExit) as exit_code:
+        import_leak.main(["--pairs=0"])
+    assert exit_code.value.code == 2 and capsys.readouterr().err == "error: --pairs=0: must be at least 1\n"
+    run = tmp_path / "run"  # documents that are not whole Python files with imports
+    train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", run, max_iters=1, eval_interval=1)))
+    capsys.readouterr()
+    assert import_leak.main([f"--out_dir={run}"]) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "the probe needs whole Python files" in error
+    assert not (run / "import_leak.json").exists()
