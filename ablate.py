@@ -377,6 +377,13 @@ def format_report(summary: dict, env: dict, settings: dict, offsets: list[int], 
 
     offset_cols = " | ".join(f"offset {k}" for k in offsets)
     pad_factor = settings.get("pad_steps_factor")
+    pad_text = ""
+    if "pad" in settings["variants"] or "pad_equal_compute" in settings["variants"]:
+        pad_text = (
+            ". `pad`: as many real tokens "
+            + (f"({pad_factor:.2f}x the steps; pad rows are {1 - 1 / pad_factor:.0%} padding)" if pad_factor else "")
+            + ", `pad_equal_compute`: as many steps and rows, the same FLOPs"
+        )
     lines = [
         "# Ablation results",
         "",
@@ -384,9 +391,7 @@ def format_report(summary: dict, env: dict, settings: dict, offsets: list[int], 
         f"- hardware: {env['hardware']}, torch {env['torch']}, commit {env['commit']}",
         f"- {settings['seeds']} seeds per cell (mean ± sample standard deviation; effects with their 95% "
         f"confidence interval over seeds, Student's t); each packed run {cfg.max_iters} steps of "
-        f"{cfg.batch_size * cfg.grad_accum} x {cfg.seq_len} tokens. `pad`: as many real tokens "
-        + (f"({pad_factor:.2f}x the steps; pad rows are {1 - 1 / pad_factor:.0%} padding)" if pad_factor else "")
-        + ", `pad_equal_compute`: as many steps and rows, the same FLOPs",
+        f"{cfg.batch_size * cfg.grad_accum} x {cfg.seq_len} tokens{pad_text}",
         f"- model: {cfg.n_layer} layers, {cfg.n_embd} wide, {cfg.n_head} heads; data: {cfg.dataset}, "
         f"tokenizer {cfg.tokenizer} {cfg.tokenizer_vocab_size}",
         "",
@@ -495,6 +500,7 @@ def plot(runs: dict, offsets: list[int], out: Path) -> None:
     if all("import_leak" in r for pos in runs for cell in runs[pos].values() for r in cell.values()):
         fig, axes = per_variant(leak_growth)
         axes[0].set_xlabel("files before B that import m")
+        axes[0].set_xticks(import_leak.PRECEDING_FILES)
         axes[0].set_ylabel("Δ log P(import m) vs B alone (nats)")
         fig.savefig(out / "import_leak.png", dpi=110, bbox_inches="tight")
     plt.close("all")
