@@ -255,7 +255,7 @@ def probe(
             "delta_logprob": float(np.mean(deltas)) if deltas else None,
             "ci95": [low, high] if deltas and np.isfinite(low) else None,
         }
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator()
     repeated = [p for p in pairs for _ in range(samples)]
     conditions = {}
     for name, before in (("after", lambda p: p.preceding[(1, 0)]), ("alone", lambda p: np.zeros(0, np.int64))):
