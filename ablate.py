@@ -1,24 +1,36 @@
-"""Controlled ablations of the three flags: every variant x position kind x seed, then a table and figures.
+"""Controlled ablations of the three flags: every variant x position kind x seed, then verdicts, a report
+and figures.
 
-    python ablate.py configs/ablate_cpu.toml               # a 2-core CPU, under an hour
-    python ablate.py configs/ablate_gpu.toml               # one GPU
+    python ablate.py configs/ablate_cpu.toml               # the confirmatory CPU study, 2 cores, ~100 min
     python ablate.py configs/ablate_cpu.toml --seeds=5 --max_iters=400 --n_layer=6
     python ablate.py configs/import_leak_cpu.toml          # the import-leak study, 2-core CPU
 
-The config file holds train.py keys plus an [ablate] table (seeds, out_dir, the position kinds and
-variants to run, probe settings, and import_leak = true to run the import-leak probe of import_leak.py
-on every run); any train.py key or --seeds can be overridden after it. Every run of a study uses the
-same data order, model init and number of real (non-padding) training tokens; only the variant's
-settings differ, and a run's seed sets both init and data order, so differences are paired by seed.
-Finished runs are skipped, so an interrupted study continues where it stopped.
+The config file holds train.py keys plus an [ablate] table (the study's settings, listed by --help); any
+key of either can be overridden after it as --key=value. Every run of a study uses the same data and
+number of real (non-padding) training tokens; only the variant's settings differ. A run's seed sets its
+init and data order, so each effect is a paired difference to the reference run of the same seed.
 
-Pad is run twice: `pad` sees as many real tokens as a packed run (more steps), `pad_equal_compute` as
-many steps and rows (the same FLOPs, fewer real tokens). Each effect (the paired difference to the
-reference, the offset probe's effect, the contamination) gets a 95% confidence interval over seeds and a
-verdict: "hurts", "helps", "no effect" (the interval within +-0.01 nats) or "unresolved".
+Endpoints are fixed in the config before the study runs (pre-registered) and printed in the report:
+  primary     the loss at within-document positions `early_band` (0-15) of every validation document
+              alone, for doc_mask, reset_position_ids and naive packing: where those flags act;
+              val_doc_loss (every token of every validation document alone) for mask_boundary_loss and
+              the pad arms, whose effect is not tied to positions
+  secondary   the other of the two, the `middle_band` (16-63), the offset and contamination probes, the
+              import leak (with import_leak = true): a bound |effect| < X each
+  invariant   what theory says cannot change (RoPE scores depend only on i - j, so with the document
+              mask RoPE needs no position reset; with the mask and reset, what precedes a document in its
+              row changes nothing): checked seed by seed, outside the family of tests
+The statistics are stats.py's (paired by seed, Holm over the primary family, TOST for "negligible").
 
-Written to the study's out_dir: results.md (the table), results.json (every number in it, per run
-too), val_loss.png, loss_by_position.png, offset_probe.png, and import_leak.png with the leak probe.
+Seeds are allocated per cell: `seeds`, or `seeds_by_variant`, or `invariance_seeds` for a cell predicted
+invariant; the reference runs every seed that any cell of its position kind uses. Within each seed the
+runs go in a seeded random order, so that the machine's load drifts into no variant's timing.
+
+Finished runs are skipped and an interrupted run resumes from its checkpoint, so re-running the command
+continues a stopped study; a run folder made with other settings that decide its result is refused.
+
+Written to the study's out_dir: results.md (the report), results.json (every number, per run too),
+effects.png, loss_by_position.png, offset_probe.png, and import_leak.png with the leak probe.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,11 +52,21 @@ import torch
 import data
 import import_leak
 import run_infra
+import stats
 import train
-from config import RESUMABLE_CHANGES, Config, ConfigError, parse_config, read_config_file, resolve_device
+from config import (
+    Config,
+    ConfigError,
+    command_line_values,
+    help_text,
+    parse_config,
+    read_config_file,
+    resolve_device,
+    setting,
+    settings_from,
+)
 from data import IGNORE_INDEX
 from model import GPT
-from stats import NO_EFFECT, confidence_interval, mean_spread, verdict
 
 POSITION_KINDS = ("learned", "rope")
 VARIANTS = {  # name: the train.py settings it changes from the reference
@@ -55,81 +78,136 @@ VARIANTS = {  # name: the train.py settings it changes from the reference
     "pad": {"packing": "pad"},  # as many real tokens as a packed run: more steps
     "pad_equal_compute": {"packing": "pad"},  # as many steps and rows as a packed run: fewer real tokens
 }
-# probe_offsets: k values of the offset probe; 0 and seq_len / 2 are always added. import_leak: run the
-# import-leak probe (import_leak.py) on every run, with up to leak_pairs pairs; it needs whole Python files.
-ABLATE_DEFAULTS = {
-    "seeds": 3,
-    "out_dir": "out/ablate",
-    "pos_embs": list(POSITION_KINDS),
-    "variants": list(VARIANTS),
-    "probe_docs": 64,
-    "probe_offsets": [64],
-    "import_leak": False,
-    "leak_pairs": 64,
+# Each variant's primary endpoint: where its flag acts. "early" is the early_band of positions.
+PRIMARY_ENDPOINT = {
+    "no_doc_mask": "early",
+    "no_reset_position_ids": "early",
+    "naive": "early",
+    "no_mask_boundary_loss": "val_doc_loss",
+    "pad": "val_doc_loss",
+    "pad_equal_compute": "val_doc_loss",
 }
+DIFFERENCE_ENDPOINTS = ("early", "middle", "val_doc_loss")  # compared with the reference of the same seed
+CONTRAST_ENDPOINTS = ("offset_effect", "contamination", "leak_logprob", "leak_rate")  # within each run
 
 
-# ----------------------------------------------------------------------------------------------
-# Configuration
+@dataclass
+class Study:
+    """The [ablate] table: what a study runs and how it decides."""
+
+    out_dir: str = setting("out/ablate", "the study's folder: one run folder per cell and seed, and the report")
+    pos_embs: list[str] = setting(list(POSITION_KINDS), "position kinds to run", choices=POSITION_KINDS)
+    variants: list[str] = setting(
+        list(VARIANTS), "variants to run (the reference is required)", choices=tuple(VARIANTS)
+    )
+    seeds: int = setting(3, "seeds of each cell, unless seeds_by_variant names its variant", minimum=1)
+    seeds_by_variant: dict[str, int] = setting({}, "seeds of these variants, e.g. no_mask_boundary_loss=12")
+    invariance_seeds: int = setting(
+        2,
+        "seeds of a cell predicted equal to the reference (RoPE without position reset): enough to check it",
+        minimum=1,
+    )
+    first_seed: int = setting(0, "seeds run first_seed, first_seed + 1, ...; new seeds make a new study", minimum=0)
+    early_band: list[int] = setting(
+        [0, 16], "[first, last + 1) within-document positions of the primary band", minimum=0
+    )
+    middle_band: list[int] = setting([16, 64], "[first, last + 1) positions of the secondary band", minimum=0)
+    margin_band: float = setting(
+        0.02, "negligible: the Holm-widened 90% interval within +-this (nats), bands", minimum=0.0
+    )
+    margin_doc_loss: float = setting(0.02, "the same margin for val_doc_loss (nats)", minimum=0.0)
+    invariance_tolerance: float = setting(
+        1e-4, "largest |difference| (nats) that still counts as invariant: float rounding", minimum=0.0
+    )
+    probe_docs: int = setting(64, "validation documents in the offset and contamination probes", minimum=1)
+    probe_offsets: list[int] = setting(
+        [64],
+        "tokens of other documents before each probe document (1, the EOT alone, and seq_len / 2 are added)",
+        minimum=1,
+    )
+    import_leak: bool = setting(False, "also run import_leak.py's probe on every run (needs whole Python files)")
+    leak_pairs: int = setting(64, "pairs of the import-leak probe at most", minimum=1)
+
+    def validate(self) -> None:
+        if "reference" not in self.variants:
+            raise ConfigError("variants must include reference: every effect is measured against it")
+        unknown = set(self.seeds_by_variant) - set(VARIANTS)
+        if unknown:
+            raise ConfigError(f"seeds_by_variant names no variant {', '.join(sorted(unknown))}")
+        if any(n < 1 for n in self.seeds_by_variant.values()):
+            raise ConfigError("seeds_by_variant: every count must be at least 1")
+        for name in ("early_band", "middle_band"):
+            band = getattr(self, name)
+            if len(band) != 2 or band[0] >= band[1]:
+                raise ConfigError(f"{name}={band}: expected [first, last + 1] with first < last + 1")
+        # in the table's order, each once
+        self.pos_embs = [p for p in POSITION_KINDS if p in self.pos_embs]
+        self.variants = [v for v in VARIANTS if v in self.variants]
 
 
-def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
-    """(ablate settings, train.py arguments) from a TOML file and --key=value overrides."""
+STUDY_KEYS = tuple(f.name for f in dataclasses.fields(Study))
+
+
+def parse_args(argv: list[str]) -> tuple[Study, list[str]]:
+    """(study settings, train.py arguments) from a TOML file and --key=value overrides of either."""
     if not argv or argv[0].startswith("--"):
-        raise ConfigError("usage: python ablate.py CONFIG.toml [--seeds=N] [--train_key=value ...]")
+        raise ConfigError("usage: python ablate.py CONFIG.toml [--key=value ...] (python ablate.py --help)")
     values = read_config_file(Path(argv[0]))
     table = values.pop("ablate", {})
     if not isinstance(table, dict):
         raise ConfigError(f"[ablate] must be a table, got {table!r}")
-    settings = {**ABLATE_DEFAULTS, **table}
-    unknown = set(settings) - set(ABLATE_DEFAULTS)
-    if unknown:
-        raise ConfigError(f"unknown [ablate] key(s) {', '.join(sorted(unknown))}; valid: {', '.join(ABLATE_DEFAULTS)}")
+    overrides = command_line_values(argv[1:])
+    table.update({k: v for k, v in overrides.items() if k in STUDY_KEYS})
+    values.update({k: v for k, v in overrides.items() if k not in STUDY_KEYS})
+    try:
+        study = settings_from(Study, table, "python ablate.py --help")
+    except ConfigError as e:
+        raise ConfigError(f"[ablate] {e}") from None
+    study.validate()
     train_args = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
-    for arg in argv[1:]:
-        key = arg[2:].split("=", 1)[0]
-        if key in ("seeds", "out_dir", "probe_docs") and "=" in arg:
-            settings[key] = arg.split("=", 1)[1]
-        else:
-            train_args.append(arg)
-    check_settings(settings)
     parse_config(train_args)  # fails early, with train.py's messages, on a bad key or value
-    return settings, train_args
+    return study, train_args
 
 
-def check_settings(settings: dict) -> None:
-    """Each [ablate] value of the type it must have (numbers may come as text from the command line)."""
+def predicted_invariant(pos: str, variant: str) -> bool:
+    """Theory says this cell trains the same model as the reference, to float rounding: with the document
+    mask, RoPE's attention scores depend only on i - j, so resetting positions changes nothing."""
+    return pos == "rope" and variant == "no_reset_position_ids"
 
-    def whole(value) -> int | None:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        return int(value) if isinstance(value, str) and value.strip().lstrip("-").isdigit() else None
 
-    for key, what in (
-        ("seeds", "a whole number of seeds"),
-        ("probe_docs", "a whole number of documents"),
-        ("leak_pairs", "a whole number of pairs"),
-    ):
-        number = whole(settings[key])
-        if number is None:
-            raise ConfigError(f"{key}={settings[key]!r}: expected {what}")
-        if number < 1:
-            raise ConfigError(f"{key}={number}: must be at least 1")
-        settings[key] = number
-    offsets = settings["probe_offsets"]
-    if not isinstance(offsets, list) or not all(whole(k) is not None and whole(k) >= 1 for k in offsets):
-        raise ConfigError(f"probe_offsets={offsets!r}: expected a list of token counts, each at least 1")
-    if not isinstance(settings["out_dir"], str) or not settings["out_dir"].strip():
-        raise ConfigError(f"out_dir={settings['out_dir']!r}: expected a folder name")
-    for key, valid in (("pos_embs", POSITION_KINDS), ("variants", tuple(VARIANTS))):
-        chosen = settings[key]
-        if not isinstance(chosen, list) or not chosen or not set(chosen) <= set(valid):
-            raise ConfigError(f"{key}={chosen!r}: expected a list of some of {', '.join(valid)}")
-        settings[key] = [v for v in valid if v in chosen]  # in the table's order
-    if "reference" not in settings["variants"]:
-        raise ConfigError("variants must include reference: every effect is measured against it")
-    if not isinstance(settings["import_leak"], bool):
-        raise ConfigError(f"import_leak={settings['import_leak']!r}: expected true or false")
+def probes_invariant(pos: str, variant: str) -> bool:
+    """Theory says nothing before a document in its row changes its loss: the document mask hides it,
+    and positions restart at the document (or do not matter, with RoPE). The pad arms run the probes
+    with every fix on."""
+    flags = {"doc_mask": True, "reset_position_ids": True, **VARIANTS[variant]}
+    return flags["doc_mask"] and (flags["reset_position_ids"] or pos == "rope")
+
+
+def seeds_of_cells(study: Study) -> dict[tuple[str, str], list[int]]:
+    """The seeds each (position kind, variant) runs; the reference runs every seed its kind uses."""
+    cells = {}
+    for pos in study.pos_embs:
+        for variant in study.variants:
+            if variant == "reference":
+                continue
+            if predicted_invariant(pos, variant):
+                n = study.invariance_seeds
+            else:
+                n = study.seeds_by_variant.get(variant, study.seeds)
+            cells[pos, variant] = n
+        most = max([n for (p, _), n in cells.items() if p == pos] + [study.seeds_by_variant.get("reference", 1)])
+        cells[pos, "reference"] = max(most, study.seeds)
+    return {cell: list(range(study.first_seed, study.first_seed + n)) for cell, n in cells.items()}
+
+
+def run_order(seeds: dict[tuple[str, str], list[int]]) -> list[tuple[str, str, int]]:
+    """Seed by seed; within a seed, the cells in an order drawn from that seed."""
+    order = []
+    for seed in sorted({s for cell_seeds in seeds.values() for s in cell_seeds}):
+        cells = [cell for cell, cell_seeds in seeds.items() if seed in cell_seeds]
+        for i in np.random.default_rng(seed).permutation(len(cells)):
+            order.append((*cells[i], seed))
+    return order
 
 
 def pad_steps_factor(cfg: Config) -> float:
@@ -137,6 +215,21 @@ def pad_steps_factor(cfg: Config) -> float:
     shards = data.load_shards(train.prepare_data(cfg))
     _, n_real, _ = data.pad_rows(shards.train, shards.eot_id, cfg.seq_len)
     return cfg.seq_len / float(np.minimum(n_real, cfg.seq_len).mean())
+
+
+def packing_regime(shards: data.Shards, seq_len: int, max_rows: int = 4096) -> dict:
+    """How much packing matters at this seq_len: documents per training row (counting a document cut
+    by the row's start or end) and the fraction of tokens that can see another document without the mask."""
+    starts, n_real, _ = data.concat_rows(len(shards.train), seq_len)
+    chosen = np.linspace(0, len(starts) - 1, min(max_rows, len(starts))).astype(int)
+    batch = data.make_batch(shards.train, starts[chosen], n_real[chosen], seq_len, shards.eot_id)
+    lengths = np.diff(np.r_[0, data.eot_positions(shards.train, shards.eot_id) + 1])
+    return {
+        "documents_per_row": float((batch.doc_ids.max(1).values + 1).float().mean()),
+        "tokens_seeing_another_document": float((batch.doc_ids > 0).float().mean()),
+        "median_document_tokens": float(np.median(lengths)),
+        "mean_document_tokens": float(lengths.mean()),
+    }
 
 
 def run_config(train_args: list[str], pos_emb: str, variant: str, seed: int, out_dir: Path, pad_factor: float):
@@ -153,6 +246,9 @@ def run_config(train_args: list[str], pos_emb: str, variant: str, seed: int, out
 
 # ----------------------------------------------------------------------------------------------
 # Probes: the same validation documents, placed in a row in different ways, under the run's own settings.
+# The baseline is each document right after an EOT, as it sits in a packed row after another document
+# ended: against it, "k tokens of other documents first" and "one foreign document first" add only what
+# precedes, not the EOT that any packed document follows.
 
 
 def leading_stream(val: data.TokenStream, eot_id: int, n_docs: int, seq_len: int) -> np.ndarray:
@@ -189,7 +285,8 @@ def doc_loss_in_rows(
     total, count = 0.0, 0
     for i in range(0, len(docs), 32):
         rows = [np.concatenate([p, d]) for p, d in zip(prefixes[i : i + 32], docs[i : i + 32])]
-        b = data.batch_of_rows(rows, cfg.seq_len, eot_id, flags=cfg.flags)
+        length = max(len(row) for row in rows) - 1  # rows as long as needed: causal, so nothing changes
+        b = data.batch_of_rows(rows, length, eot_id, flags=cfg.flags)
         own = torch.zeros_like(b.targets, dtype=torch.bool)
         for r, (p, d) in enumerate(zip(prefixes[i : i + 32], docs[i : i + 32])):
             own[r, len(p) : len(p) + len(d) - 1] = True  # targets inside the document, predicted from it
@@ -215,40 +312,82 @@ def probe_inputs(
 
 
 def run_probes(out_dir: Path, cfg: Config, n_docs: int, offsets: list[int]) -> dict:
+    """The probe documents' loss after k tokens of other documents (the last of them an EOT; k = 1 is the
+    EOT alone), and after one unrelated document and its EOT."""
     device = resolve_device(cfg.device)
     model, _, checkpoint = run_infra.load_run(out_dir, device)
     shards = data.load_shards(Path(checkpoint["shards"]))
     docs, filler, unrelated = probe_inputs(shards, n_docs, cfg.seq_len, offsets)
     offset_loss = {}
-    for k in offsets:  # k tokens of other documents first, the last of them an EOT
-        prefixes = [
-            np.append(filler[i * k : i * k + k - 1], shards.eot_id) if k else filler[:0] for i in range(len(docs))
-        ]
+    for k in offsets:
+        prefixes = [np.append(filler[i * k : i * k + k - 1], shards.eot_id) for i in range(len(docs))]
         offset_loss[str(k)] = doc_loss_in_rows(model, cfg, shards.eot_id, prefixes, docs, device)
     after_other = doc_loss_in_rows(model, cfg, shards.eot_id, unrelated, docs, device)
-    return {"offset_loss": offset_loss, "contamination": after_other - offset_loss["0"]}
+    return {"offset_loss": offset_loss, "after_other": after_other}
 
 
 # ----------------------------------------------------------------------------------------------
 # Running the grid
 
 
-def run_one(cfg: Config, settings: dict) -> dict:
-    out = Path(cfg.out_dir)
-    done = out / "result.json"
-    # what decides a run's result: the training settings a resume may not change, and the probes
-    decided_by = {
-        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_CHANGES},
-        "probes": {k: settings[k] for k in ("probe_docs", "probe_offsets", "import_leak", "leak_pairs")},
+# Settings that cannot change a run's numbers; every other one decides whether a finished run is reused.
+NOT_DECIDING = {"out_dir", "data_dir", "resume", "overwrite", "log_interval", "sample_prompt", "sample_tokens"}
+NOT_DECIDING |= {"wandb", "wandb_project", "wandb_run_name"}
+
+
+def decided_by(cfg: Config, study: Study, offsets: list[int], shard_folder: str) -> dict:
+    """What decides a run's result: its training settings, the data (the shard folder's name holds a hash
+    of the corpus content and the data settings) and the probes' settings."""
+    return {
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_DECIDING},
+        "shards": shard_folder,
+        "probes": {
+            "probe_docs": study.probe_docs,
+            "probe_offsets": offsets,
+            "import_leak": study.import_leak,
+            "leak_pairs": study.leak_pairs,
+        },
     }
-    if done.exists():
-        result = json.loads(done.read_text())
-        if result.pop("decided_by", None) != decided_by:
+
+
+def flat(settings: dict, prefix: str = "") -> dict:
+    """{"config.max_iters": 150, ...}: nested settings as one level, to name the ones that differ."""
+    out = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_reusable(out: Path, decided: dict) -> None:
+    """Refuse a run folder that a study with other deciding settings started or finished."""
+    for path in (out / "result.json", out / "study_run.json"):
+        if not path.exists():
+            continue
+        try:
+            recorded = json.loads(path.read_text())["decided_by"]
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{path} is damaged: delete {out} to run it again") from None
+        if recorded != decided:
+            before, now = flat(recorded), flat(decided)
+            changed = ", ".join(k for k in before | now if before.get(k) != now.get(k))
             raise ConfigError(
-                f"{done} was computed with other settings than this study's: give the study another out_dir, "
-                f"or delete {settings['out_dir']} to run it again"
+                f"{out} was run with other settings than this study's ({changed}): give the study another "
+                f"out_dir, or delete {out} to run it again"
             )
-        return result
+
+
+def run_one(cfg: Config, study: Study, decided: dict, offsets: list[int]) -> dict:
+    """The run's result: read back when it finished before (check_reusable has vouched for it), else
+    trained (or resumed) and probed."""
+    out = Path(cfg.out_dir)
+    done, started = out / "result.json", out / "study_run.json"
+    if done.exists():
+        return json.loads(done.read_text())["result"]
+    out.mkdir(parents=True, exist_ok=True)
+    started.write_text(json.dumps({"decided_by": decided}))
     cfg.resume = (out / "ckpt.pt").exists()  # a run interrupted earlier continues from its checkpoint
     train.train(cfg)
     if run_infra.read_checkpoint(out / "ckpt.pt")["step"] != cfg.max_iters:
@@ -257,19 +396,17 @@ def run_one(cfg: Config, settings: dict) -> dict:
     train_records = [r for r in records if "train_loss" in r]
     evals = [r for r in records if "val_doc_loss" in r]
     result = {
-        "val_doc_loss": evals[-1]["val_doc_loss"],
-        "val_loss": evals[-1]["val_loss"],
-        "val_doc_loss_by_position": evals[-1]["val_doc_loss_by_position"],
+        **{k: v for k, v in evals[-1].items() if k != "step"},
         "curve": [(r["step"], r["val_doc_loss"]) for r in evals],
         "wall_seconds": training_seconds(train_records, cfg.batch_size * cfg.grad_accum * cfg.seq_len),
         "useful_tokens_per_sec": float(np.mean([r["counted_tokens_per_sec"] for r in train_records])),
         "steps": cfg.max_iters,
-        **run_probes(out, cfg, settings["probe_docs"], settings["probe_offsets"]),
+        **run_probes(out, cfg, study.probe_docs, offsets),
     }
-    if settings["import_leak"]:
-        result["import_leak"] = import_leak.probe_run(out, resolve_device(cfg.device), settings["leak_pairs"])
+    if study.import_leak:
+        result["import_leak"] = import_leak.probe_run(out, resolve_device(cfg.device), study.leak_pairs)
     tmp = done.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**result, "decided_by": decided_by}))
+    tmp.write_text(json.dumps({"result": result, "decided_by": decided}))
     os.replace(tmp, done)  # a run counts as finished only once its probes are written
     return result
 
@@ -285,57 +422,94 @@ class StudyStopped(Exception):
     pass
 
 
-# The loss verdicts in the words of the leak: a positive change is more leak.
-LEAK_VERDICTS = {"hurts": "leaks", "helps": "below alone", "no effect": "no leak"}
+# ----------------------------------------------------------------------------------------------
+# Endpoints and verdicts
 
 
-def summarise(runs: dict, offsets: list[int]) -> dict:
-    """Per (position kind, variant): mean and spread of each metric; and, each with its 95% confidence
-    interval and verdict, the paired (same seed) difference to the reference, the offset effect (the
-    probe documents' loss after the longest offset minus alone), the contamination and, where it ran,
-    the import leak (log-prob change of "import m" with one file before, sampled leak rate change)."""
-    summary = {}
+def band_loss(result: dict, band: list[int]) -> float:
+    """Token-weighted loss of the validation documents alone at within-document positions [first, stop)."""
+    first, stop = band
+    sums, counts = result["val_doc_loss_sum_by_position"][first:stop], result["val_doc_count_by_position"][first:stop]
+    return sum(sums) / max(1, sum(counts))
+
+
+def endpoints(result: dict, study: Study, offsets: list[int]) -> dict[str, float]:
+    """One run's value of every endpoint."""
+    values = {
+        "early": band_loss(result, study.early_band),
+        "middle": band_loss(result, study.middle_band),
+        "val_doc_loss": result["val_doc_loss"],
+        "offset_effect": result["offset_loss"][str(max(offsets))] - result["offset_loss"]["1"],
+        "contamination": result["after_other"] - result["offset_loss"]["1"],
+    }
+    if "import_leak" in result:
+        values["leak_logprob"] = result["import_leak"]["logprob"]["k=1,extra=0"]["delta_logprob"]
+        values["leak_rate"] = result["import_leak"]["sampling"]["difference"]
+    return values
+
+
+def margin(study: Study, endpoint: str) -> float:
+    return study.margin_doc_loss if endpoint == "val_doc_loss" else study.margin_band
+
+
+def summarise(runs: dict, study: Study, offsets: list[int]) -> dict:
+    """Per cell and endpoint: its per-seed values, the effect (paired difference to the reference, or the
+    contrast within each run) with its 90% and 95% intervals, its role and verdict."""
+    cells: dict = {}
     for pos in runs:
-        for variant in runs[pos]:
-            cell = runs[pos][variant]
-            ref = runs[pos]["reference"]
-            seeds = sorted(cell)
-            metrics = {
-                "val_doc_loss": [cell[s]["val_doc_loss"] for s in seeds],
-                "val_loss": [cell[s]["val_loss"] for s in seeds],
-                "contamination": [cell[s]["contamination"] for s in seeds],
-                "wall_seconds": [cell[s]["wall_seconds"] for s in seeds],
-                "useful_tokens_per_sec": [cell[s]["useful_tokens_per_sec"] for s in seeds],
-                **{f"offset_{k}": [cell[s]["offset_loss"][str(k)] for s in seeds] for k in offsets},
-            }
-            entry = {name: mean_spread(values) for name, values in metrics.items()}
-            effects = {
-                "delta_val_doc_loss": [cell[s]["val_doc_loss"] - ref[s]["val_doc_loss"] for s in seeds],
-                "offset_effect": [
-                    cell[s]["offset_loss"][str(max(offsets))] - cell[s]["offset_loss"]["0"] for s in seeds
-                ],
-                "contamination": metrics["contamination"],
-            }
-            if all("import_leak" in cell[s] for s in seeds):
-                effects["leak_logprob"] = [
-                    cell[s]["import_leak"]["logprob"]["k=1,extra=0"]["delta_logprob"] for s in seeds
-                ]
-                effects["leak_rate"] = [cell[s]["import_leak"]["sampling"]["difference"] for s in seeds]
-                for key in cell[seeds[0]]["import_leak"]["logprob"]:
-                    deltas = [cell[s]["import_leak"]["logprob"][key]["delta_logprob"] for s in seeds]
-                    entry[f"leak_logprob_{key}"] = mean_spread(deltas) if None not in deltas else None
-            for name, values in effects.items():
-                interval = confidence_interval(values)
-                entry[name] = mean_spread(values)
-                entry[f"{name}_ci95"] = [x if math.isfinite(x) else None for x in interval]
-                entry[f"{name}_verdict"] = (LEAK_VERDICTS if name.startswith("leak") else {}).get(
-                    verdict(interval), verdict(interval)
-                )
-            if variant == "reference":
-                entry["delta_val_doc_loss_verdict"] = "-"  # the reference against itself
-            entry["seeds"] = len(seeds)
-            summary[f"{pos}/{variant}"] = entry
-    return summary
+        ref = {seed: endpoints(r, study, offsets) for seed, r in runs[pos]["reference"].items()}
+        for variant, by_seed in runs[pos].items():
+            seeds = sorted(by_seed)
+            values = {seed: endpoints(by_seed[seed], study, offsets) for seed in seeds}
+            cell = {"seeds": seeds, "endpoints": {}}
+            for name in values[seeds[0]]:
+                own = [values[s][name] for s in seeds]
+                entry = {"values": own, "mean_sd": stats.mean_spread(own)}
+                paired = name in DIFFERENCE_ENDPOINTS
+                if paired and variant == "reference":
+                    cell["endpoints"][name] = entry
+                    continue
+                reference = [ref[s][name] for s in seeds] if paired else None
+                if (paired and predicted_invariant(pos, variant)) or (not paired and probes_invariant(pos, variant)):
+                    verdict, worst, bitwise = stats.invariance(own, reference, study.invariance_tolerance)
+                    entry.update(role="invariant", verdict=verdict, max_abs_difference=worst, bitwise=bitwise)
+                else:
+                    effect = stats.paired_effect(own, reference)
+                    primary = PRIMARY_ENDPOINT.get(variant) == name
+                    entry.update(
+                        role="primary" if primary else "secondary",
+                        estimate=effect.estimate,
+                        se=effect.se,
+                        df=effect.df,
+                        ci90=list(effect.interval(0.90)),
+                        ci95=list(effect.interval(0.95)),
+                        bound=effect.bound(),
+                        p_difference=effect.p_difference(),
+                        p_equivalence=effect.p_equivalence(margin(study, name)) if primary else None,
+                    )
+                cell["endpoints"][name] = entry
+            for name in ("val_loss", "wall_seconds", "useful_tokens_per_sec"):
+                own = [by_seed[s][name] for s in seeds]
+                cell["endpoints"][name] = {"values": own, "mean_sd": stats.mean_spread(own)}
+            cells[f"{pos}/{variant}"] = cell
+    decide_primary(cells)
+    return cells
+
+
+def decide_primary(cells: dict) -> None:
+    """Holm over the primary family, once for the difference tests and once for the equivalence tests."""
+    family = {
+        (key, name): entry
+        for key, cell in cells.items()
+        for name, entry in cell["endpoints"].items()
+        if entry.get("role") == "primary"
+    }
+    difference = stats.holm({k: e["p_difference"] for k, e in family.items()})
+    equivalence = stats.holm({k: e["p_equivalence"] for k, e in family.items()})
+    for key, entry in family.items():
+        effect = stats.Effect(entry["estimate"], entry["se"], entry["df"])
+        entry["p_difference_holm"], entry["p_equivalence_holm"] = difference[key], equivalence[key]
+        entry["verdict"] = stats.primary_verdict(effect, difference[key], equivalence[key])
 
 
 def environment() -> dict:
@@ -366,218 +540,320 @@ def environment() -> dict:
     }
 
 
-def format_report(summary: dict, env: dict, settings: dict, offsets: list[int], cfg: Config) -> str:
-    def ms(pair: tuple[float, float], digits: int = 3) -> str:
+# ----------------------------------------------------------------------------------------------
+# The report
+
+
+ENDPOINT_NAMES = {
+    "early": "early band",
+    "middle": "middle band",
+    "val_doc_loss": "val_doc_loss",
+    "offset_effect": "offset effect",
+    "contamination": "contamination",
+    "leak_logprob": "Δ log P(import m)",
+    "leak_rate": "Δ sampled leak rate",
+}
+
+
+def describe_effect(entry: dict) -> str:
+    """One cell of a table: the effect, its interval and what it says."""
+    if entry["role"] == "invariant":
+        how = "bitwise" if entry["bitwise"] else f"max \\|Δ\\| {entry['max_abs_difference']:.1e}"
+        return f"{entry['verdict']} ({how})"
+    low, high = entry["ci95"] if entry["role"] == "primary" else entry["ci90"]
+    interval = "" if not math.isfinite(low) else f" [{low:+.3f}, {high:+.3f}]"
+    if entry["role"] == "primary":
+        return f"**{entry['verdict']}**: {entry['estimate']:+.3f}{interval}"
+    return f"{entry['estimate']:+.3f}{interval}, \\|Δ\\| < {entry['bound']:.3f}"
+
+
+def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cfg: Config, extra: dict) -> str:
+    def ms(pair, digits: int = 3) -> str:
         return f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
 
-    def effect(entry: dict, name: str) -> str:
-        low, high = entry[f"{name}_ci95"]
-        interval = "" if low is None else f" [{low:+.3f}, {high:+.3f}]"
-        return f"{entry[name][0]:+.3f}{interval} | {entry[f'{name}_verdict']}"
-
-    offset_cols = " | ".join(f"offset {k}" for k in offsets)
-    pad_factor = settings.get("pad_steps_factor")
-    pad_text = ""
-    if "pad" in settings["variants"] or "pad_equal_compute" in settings["variants"]:
-        pad_text = (
-            ". `pad`: as many real tokens "
-            + (f"({pad_factor:.2f}x the steps; pad rows are {1 - 1 / pad_factor:.0%} padding)" if pad_factor else "")
-            + ", `pad_equal_compute`: as many steps and rows, the same FLOPs"
-        )
+    regime = extra["regime"]
+    pad_factor = extra["pad_steps_factor"]
+    seeds = {key: len(cell["seeds"]) for key, cell in summary.items()}
+    roles = [(key, name, e.get("role")) for key, c in summary.items() for name, e in c["endpoints"].items()]
+    n_primary = sum(1 for _, _, role in roles if role == "primary")
     lines = [
         "# Ablation results",
         "",
         f"- command: `{env['command']}`",
         f"- hardware: {env['hardware']}, torch {env['torch']}, commit {env['commit']}",
-        f"- {settings['seeds']} seeds per cell (mean ± sample standard deviation; effects with their 95% "
-        f"confidence interval over seeds, Student's t); each packed run {cfg.max_iters} steps of "
-        f"{cfg.batch_size * cfg.grad_accum} x {cfg.seq_len} tokens{pad_text}",
-        f"- model: {cfg.n_layer} layers, {cfg.n_embd} wide, {cfg.n_head} heads; data: {cfg.dataset}, "
-        f"tokenizer {cfg.tokenizer} {cfg.tokenizer_vocab_size}",
+        f"- model: {cfg.n_layer} layers, {cfg.n_embd} wide, {cfg.n_head} heads; data: {cfg.dataset}, tokenizer "
+        f"{cfg.tokenizer} {cfg.tokenizer_vocab_size}; each packed run {cfg.max_iters} steps of "
+        f"{cfg.batch_size * cfg.grad_accum} x {cfg.seq_len} tokens"
+        + (
+            f"; `pad` {pad_factor:.2f}x the steps for as many real tokens (pad rows are {1 - 1 / pad_factor:.0%} "
+            "padding), `pad_equal_compute` as many steps and rows"
+            if {"pad", "pad_equal_compute"} & set(study.variants)
+            else ""
+        ),
+        f"- regime: {regime['documents_per_row']:.2f} documents per training row, "
+        f"{regime['tokens_seeing_another_document']:.0%} of tokens can see another document without the mask "
+        f"(documents: median {regime['median_document_tokens']:.0f}, mean {regime['mean_document_tokens']:.0f} tokens)",
+        f"- seeds {study.first_seed} onwards; per cell: " + ", ".join(f"{key} {n}" for key, n in seeds.items()),
+        f"- wall time of the study: {extra['wall']}",
         "",
-        "`val_doc_loss`: each validation document alone from position 0 (the same for every run). "
-        "`Δ ref`: paired by seed. `offset k`: the probe documents' loss after k tokens of other documents, "
-        f"under the run's own settings; `offset effect`: offset {max(offsets)} minus offset 0. `contamination`: "
-        "loss after one unrelated document minus loss alone. Verdicts: `hurts` / `helps` when the interval "
-        f"excludes 0, `no effect` when it lies within ±{NO_EFFECT}, else `unresolved`.",
+        "## Pre-registered endpoints and decision rules",
         "",
-        f"| variant | val_doc_loss | Δ ref | verdict | val_loss (own packing) | {offset_cols} | offset effect "
-        "| verdict | contamination | verdict | train wall s | useful tok/s |",
-        "|" + " --- |" * (11 + len(offsets)),
+        f"- primary: the loss at within-document positions {study.early_band[0]}-{study.early_band[1] - 1} "
+        "(`early band`) of every validation document alone for `no_doc_mask`, `no_reset_position_ids` and "
+        "`naive`; `val_doc_loss` (every token of every validation document alone) for `no_mask_boundary_loss`, "
+        "`pad` and `pad_equal_compute`. Each effect is the mean over seeds of the difference to the reference "
+        "run of the same seed (paired, each cell with its own variance, n - 1 degrees of freedom).",
+        f"- verdicts at family-wise α = {stats.ALPHA} (Holm, over the {n_primary} primary tests, once for "
+        "difference and once for equivalence): `negligible` when the equivalence test (TOST) rejects "
+        f"|effect| ≥ {study.margin_band} nats (bands) or {study.margin_doc_loss} (val_doc_loss); else `hurts` / "
+        "`helps` when the difference test rejects 0; else `unresolved`. The interval shown is the "
+        "unadjusted 95% one.",
+        f"- secondary: the middle band (positions {study.middle_band[0]}-{study.middle_band[1] - 1}), the other "
+        "of early band and val_doc_loss, the offset effect (the probe documents' loss after "
+        f"{max(offsets)} tokens of other documents minus after an EOT alone) and the contamination (after one "
+        "foreign document and its EOT minus after an EOT alone): the estimate, its 90% interval and the bound "
+        "|Δ| < X that it gives.",
+        "- invariant: where theory predicts no change (RoPE with the document mask needs no position reset; "
+        "with the mask, and reset or RoPE, nothing before a document changes it), each seed's value is "
+        f"checked against the reference's (or 0): within {study.invariance_tolerance:g} nats, bitwise where "
+        "equal.",
+        "",
+        "## Primary endpoints",
+        "",
+        "The reference's mean is over the cell's own seeds. Holm p: the adjusted p-values of the difference "
+        "and the equivalence test.",
+        "",
+        "| position kind | variant | endpoint | reference | variant | effect [95% CI]: verdict | Holm p | seeds |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for key, entry in summary.items():
-        offsets_text = " | ".join(ms(entry[f"offset_{k}"]) for k in offsets)
-        lines.append(
-            f"| {key} | {ms(entry['val_doc_loss'])} | {effect(entry, 'delta_val_doc_loss')} "
-            f"| {ms(entry['val_loss'])} | {offsets_text} | {effect(entry, 'offset_effect')} "
-            f"| {effect(entry, 'contamination')} | {entry['wall_seconds'][0]:.1f} "
-            f"| {entry['useful_tokens_per_sec'][0]:,.0f} |"
+    for key, cell in summary.items():
+        pos, variant = key.split("/")
+        name = PRIMARY_ENDPOINT.get(variant)
+        if name is None:
+            continue
+        entry = cell["endpoints"][name]
+        reference = summary[f"{pos}/reference"]
+        ref = [v for s, v in zip(reference["seeds"], reference["endpoints"][name]["values"]) if s in cell["seeds"]]
+        holm_p = (
+            f"{entry['p_difference_holm']:.2g} / {entry['p_equivalence_holm']:.2g}"
+            if entry["role"] == "primary"
+            else ""
         )
-    leak_keys = [k for k in next(iter(summary.values())) if k.startswith("leak_logprob_k=")]
-    if leak_keys:
-        lines += [
-            "",
-            "## Import leak",
-            "",
-            "Pairs (A, B) of validation files where A imports a module m that B never mentions (import_leak.py). "
-            "`Δ log P`: log-prob of `import m` / `from m import` at B's first import with A before B in the row, "
-            "minus B alone. `Δ leak rate`: how much more often an import line sampled there names a module of A "
-            "that B never uses. Verdicts: `leaks` when the interval (over seeds) lies above 0, `no leak` when "
-            f"within ±{NO_EFFECT}, else `unresolved`. Then Δ log P by the number of files before B (each "
-            "importing m) and the tokens of each kept after its import of m.",
-            "",
-            "| variant | Δ log P, 1 file | verdict | Δ leak rate | verdict | "
-            + " | ".join(k.removeprefix("leak_logprob_").replace(",", ", ") for k in leak_keys)
-            + " |",
-            "|" + " --- |" * (5 + len(leak_keys)),
-        ]
-        for key, entry in summary.items():
-            growth = " | ".join("" if entry[k] is None else ms(entry[k]) for k in leak_keys)
-            lines.append(f"| {key} | {effect(entry, 'leak_logprob')} | {effect(entry, 'leak_rate')} | {growth} |")
+        lines.append(
+            f"| {pos} | {variant} | {ENDPOINT_NAMES[name]} | {ms(stats.mean_spread(ref))} | {ms(entry['mean_sd'])} "
+            f"| {describe_effect(entry)} | {holm_p} | {len(cell['seeds'])} |"
+        )
+    secondary = [name for name in ENDPOINT_NAMES if any(name in c["endpoints"] for c in summary.values())]
+    lines += [
+        "",
+        "## Secondary endpoints and invariances",
+        "",
+        "Bounds from the 90% interval (primary cells repeat their verdict).",
+        "",
+        "| cell | " + " | ".join(ENDPOINT_NAMES[n] for n in secondary) + " |",
+        "|" + " --- |" * (1 + len(secondary)),
+    ]
+    for key, cell in summary.items():
+        if key.endswith("/reference"):
+            continue
+        row = []
+        for name in secondary:
+            entry = cell["endpoints"].get(name)
+            row.append("" if entry is None or "role" not in entry else describe_effect(entry))
+        lines.append(f"| {key} | " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "## Each cell (mean ± sd over seeds)",
+        "",
+        "Runs went in a random order within each seed, so machine load is spread over the variants; the train "
+        "time excludes evaluation.",
+        "",
+        "| cell | seeds | val_doc_loss | early band | middle band | val_loss (own packing) | train s | useful tok/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for key, cell in summary.items():
+        e = cell["endpoints"]
+        lines.append(
+            f"| {key} | {len(cell['seeds'])} | {ms(e['val_doc_loss']['mean_sd'])} | {ms(e['early']['mean_sd'])} "
+            f"| {ms(e['middle']['mean_sd'])} | {ms(e['val_loss']['mean_sd'])} | {e['wall_seconds']['mean_sd'][0]:.1f} "
+            f"| {e['useful_tokens_per_sec']['mean_sd'][0]:,.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: dict, offsets: list[int], out: Path) -> None:
+def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def per_variant(fn):
-        fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), sharey=True, squeeze=False)
-        axes = axes[0]
-        for ax, pos in zip(axes, runs):
-            for variant in runs[pos]:
-                fn(ax, runs[pos][variant], variant)
+    kinds = list(runs)
+
+    def panels(width: float = 6):
+        fig, axes = plt.subplots(1, len(kinds), figsize=(width * len(kinds), 4.5), sharey=True, squeeze=False)
+        for ax, pos in zip(axes[0], kinds):
             ax.set_title(f"pos_emb = {pos}")
             ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=8)
-        return fig, axes
+        return fig, axes[0]
 
-    def curve(ax, cell, variant):
-        steps = [s for s, _ in next(iter(cell.values()))["curve"]]
-        losses = np.array([[v for _, v in r["curve"]] for r in cell.values()])
-        fraction = np.array(steps) / steps[-1]
-        ax.errorbar(fraction, losses.mean(0), yerr=losses.std(0), label=variant, capsize=3)
+    # effects.png: every primary effect with its 95% interval
+    fig, axes = panels()
+    for ax, pos in zip(axes, kinds):
+        rows = [
+            (f"{variant}: {ENDPOINT_NAMES[name]}", entry)
+            for variant in runs[pos]
+            for name, entry in summary[f"{pos}/{variant}"]["endpoints"].items()
+            if name == PRIMARY_ENDPOINT.get(variant) and "role" in entry
+        ]
+        for y, (_, entry) in enumerate(rows):
+            if entry["role"] == "invariant":
+                ax.plot([0], [y], "o", color="gray")
+            else:
+                low, high = entry["ci95"]
+                ax.errorbar(
+                    [entry["estimate"]],
+                    [y],
+                    xerr=[[entry["estimate"] - low], [high - entry["estimate"]]],
+                    fmt="o",
+                    capsize=3,
+                )
+        ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set_xlabel("effect vs reference (nats), 95% CI")
+    fig.savefig(out / "effects.png", dpi=110, bbox_inches="tight")
 
-    fig, axes = per_variant(curve)
-    axes[0].set_xlabel("fraction of training (pad runs take more steps)")
-    axes[0].set_ylabel("val_doc_loss")
-    fig.savefig(out / "val_loss.png", dpi=110, bbox_inches="tight")
-
-    def by_position(ax, cell, variant):
-        n = min(len(r["val_doc_loss_by_position"]) for r in cell.values())
-        loss = np.mean([r["val_doc_loss_by_position"][:n] for r in cell.values()], axis=0)
-        edges = np.unique(np.geomspace(1, n, 16).astype(int))  # log-spaced bins: early positions matter most
-        centers = [(a + b - 1) / 2 for a, b in zip(np.r_[0, edges[:-1]], edges)]
-        ax.plot(
-            centers, [loss[a:b].mean() for a, b in zip(np.r_[0, edges[:-1]], edges)], marker="o", ms=3, label=variant
-        )
+    # loss_by_position.png: difference to the reference by position within the document
+    fig, axes = panels()
+    for ax, pos in zip(axes, kinds):
+        ref = runs[pos]["reference"]
+        n = min(len(r["val_doc_count_by_position"]) for cell in runs[pos].values() for r in cell.values())
+        edges = np.unique(np.r_[0, np.geomspace(1, n, 14).astype(int)])
+        centers = [(a + b - 1) / 2 for a, b in zip(edges[:-1], edges[1:])]
+        for variant, cell in runs[pos].items():
+            if variant == "reference":
+                continue
+            deltas = [
+                [band_loss(cell[s], [a, b]) - band_loss(ref[s], [a, b]) for a, b in zip(edges[:-1], edges[1:])]
+                for s in cell
+            ]
+            ax.plot(centers, np.mean(deltas, axis=0), marker="o", ms=3, label=variant)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.axvspan(study.early_band[0], study.early_band[1] - 1, color="gray", alpha=0.15)
         ax.set_xscale("symlog")
-
-    fig, axes = per_variant(by_position)
-    axes[0].set_xlabel("position within the document")
-    axes[0].set_ylabel("val_doc_loss")
+        ax.set_xlabel("position within the document (early band shaded)")
+    axes[0].set_ylabel("loss minus the reference's (same seed)")
+    axes[0].legend(fontsize=8)
     fig.savefig(out / "loss_by_position.png", dpi=110, bbox_inches="tight")
 
-    def offset_probe(ax, cell, variant):
-        losses = np.array([[r["offset_loss"][str(k)] for k in offsets] for r in cell.values()])
-        ax.errorbar(offsets, losses.mean(0), yerr=losses.std(0), marker="o", capsize=3, label=variant)
-
-    fig, axes = per_variant(offset_probe)
-    axes[0].set_xlabel("tokens of other documents before the document (k)")
+    # offset_probe.png: the probe documents' loss by what precedes them
+    fig, axes = panels()
+    for ax, pos in zip(axes, kinds):
+        for variant, cell in runs[pos].items():
+            losses = np.array([[r["offset_loss"][str(k)] for k in offsets] for r in cell.values()])
+            ax.errorbar(offsets, losses.mean(0), yerr=losses.std(0), marker="o", capsize=3, label=variant)
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens of other documents before the document (1: the EOT alone)")
     axes[0].set_ylabel("loss on the document")
+    axes[0].legend(fontsize=8)
     fig.savefig(out / "offset_probe.png", dpi=110, bbox_inches="tight")
 
-    def leak_growth(ax, cell, variant):
-        logprob = [r["import_leak"]["logprob"] for r in cell.values()]
-        for extra, style in zip(import_leak.EXTRA_TOKENS, ("-", "--")):
-            ks = [k for k in import_leak.PRECEDING_FILES if logprob[0][f"k={k},extra={extra}"]["pairs"]]
-            deltas = np.array([[lp[f"k={k},extra={extra}"]["delta_logprob"] for k in ks] for lp in logprob])
-            label = f"{variant}, {extra} tokens after the import"
-            ax.errorbar(ks, deltas.mean(0), yerr=deltas.std(0), ls=style, marker="o", capsize=3, label=label)
-
     if all("import_leak" in r for pos in runs for cell in runs[pos].values() for r in cell.values()):
-        fig, axes = per_variant(leak_growth)
-        axes[0].set_xlabel("files before B that import m")
-        axes[0].set_xticks(import_leak.PRECEDING_FILES)
+        fig, axes = panels()
+        for ax, pos in zip(axes, kinds):
+            for variant, cell in runs[pos].items():
+                logprob = [r["import_leak"]["logprob"] for r in cell.values()]
+                for extra, style in zip(import_leak.EXTRA_TOKENS, ("-", "--")):
+                    ks = [k for k in import_leak.PRECEDING_FILES if logprob[0][f"k={k},extra={extra}"]["pairs"]]
+                    deltas = np.array([[lp[f"k={k},extra={extra}"]["delta_logprob"] for k in ks] for lp in logprob])
+                    label = f"{variant}, {extra} tokens after the import"
+                    ax.errorbar(ks, deltas.mean(0), yerr=deltas.std(0), ls=style, marker="o", capsize=3, label=label)
+            ax.set_xticks(import_leak.PRECEDING_FILES)
+            ax.set_xlabel("files before B that import m")
         axes[0].set_ylabel("Δ log P(import m) vs B alone (nats)")
+        axes[0].legend(fontsize=8)
         fig.savefig(out / "import_leak.png", dpi=110, bbox_inches="tight")
     plt.close("all")
 
 
+def usage() -> str:
+    return help_text(__doc__, cls=Study) + "\n\n...and any train.py setting (python train.py --help)."
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
+        print(usage())
         return 0
     try:
-        settings, train_args = parse_args(argv)
+        study, train_args = parse_args(argv)
         base = parse_config(train_args)
-        offsets = sorted({int(k) for k in settings["probe_offsets"]} | {0, base.seq_len // 2})
-        settings["probe_offsets"] = offsets
+        offsets = sorted(set(study.probe_offsets) | {1, base.seq_len // 2})
         if max(offsets) >= base.seq_len - 1:
             raise ConfigError(f"probe_offsets must be below seq_len - 1 = {base.seq_len - 1}")
-        out = Path(settings["out_dir"])
+        if base.max_iters < 1:
+            raise ConfigError("max_iters must be at least 1 for a study")
+        out = Path(study.out_dir)
         try:  # before any work: the study ends by writing its report here
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"out_dir {out} cannot be a folder ({e.strerror})") from None
+        shard_path = train.prepare_data(base)
+        shards = data.load_shards(shard_path)
         pad_factor = pad_steps_factor(base)
+        regime = packing_regime(shards, base.seq_len)
         # the probes run after each training run: a validation split too small for them fails here, first
-        probe_inputs(data.load_shards(train.prepare_data(base)), settings["probe_docs"], base.seq_len, offsets)
-        grid = [
-            (pos, variant, seed)
-            for pos in settings["pos_embs"]
-            for variant in settings["variants"]
-            for seed in range(settings["seeds"])
-        ]
-        runs: dict = {pos: {variant: {} for variant in settings["variants"]} for pos in settings["pos_embs"]}
-        t0 = time.time()
-        trained = 0
-        for i, (pos, variant, seed) in enumerate(grid):
+        probe_inputs(shards, study.probe_docs, base.seq_len, offsets)
+        seeds = seeds_of_cells(study)
+        planned = []
+        for pos, variant, seed in run_order(seeds):
             cfg = run_config(train_args, pos, variant, seed, out / pos / variant / f"seed{seed}", pad_factor)
+            decided = decided_by(cfg, study, offsets, shard_path.name)
+            check_reusable(Path(cfg.out_dir), decided)  # every run before the first trains
+            planned.append((pos, variant, seed, cfg, decided))
+        runs: dict = {pos: {v: {} for v in study.variants} for pos in study.pos_embs}
+        t0, trained = time.time(), 0
+        for i, (pos, variant, seed, cfg, decided) in enumerate(planned):
             fresh = not (Path(cfg.out_dir) / "result.json").exists()
             print(
-                f"\n=== run {i + 1}/{len(grid)}: pos_emb={pos} {variant} seed={seed}"
+                f"\n=== run {i + 1}/{len(planned)}: pos_emb={pos} {variant} seed={seed}"
                 + ("" if fresh else " (finished before: skipped)"),
                 flush=True,
             )
-            runs[pos][variant][seed] = run_one(cfg, settings)
+            runs[pos][variant][seed] = run_one(cfg, study, decided, offsets)
             trained += fresh
             if fresh:
-                remaining = sum(
-                    1 for p, v, s in grid[i + 1 :] if not (out / p / v / f"seed{s}" / "result.json").exists()
-                )
+                remaining = sum(1 for *_, c, _ in planned[i + 1 :] if not (Path(c.out_dir) / "result.json").exists())
                 eta = data.format_duration((time.time() - t0) / trained * remaining)
-                print(f"=== study: {i + 1}/{len(grid)} runs done, ETA {eta}", flush=True)
+                print(f"=== study: {i + 1}/{len(planned)} runs done, ETA {eta}", flush=True)
     except StudyStopped as e:
         print(e)
         return 0
     except (ConfigError, data.DataError, train.TrainingDiverged, run_infra.SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    summary = summarise(runs, offsets)
+    runs = {pos: {v: dict(sorted(cell.items())) for v, cell in kinds.items()} for pos, kinds in runs.items()}
+    summary = summarise(runs, study, offsets)
     env = environment()
-    report = format_report(summary, env, {**settings, "pad_steps_factor": pad_factor}, offsets, base)
+    wall = sum(r["wall_seconds"] for kinds in runs.values() for cell in kinds.values() for r in cell.values())
+    extra = {"regime": regime, "pad_steps_factor": pad_factor, "wall": f"{wall / 60:.0f} min of training steps"}
+    report = format_report(summary, env, study, offsets, base, extra)
     (out / "results.md").write_text(report)
     (out / "results.json").write_text(
         json.dumps(
             {
                 "environment": env,
-                "settings": settings,
-                "pad_steps_factor": pad_factor,
+                "study": dataclasses.asdict(study),
+                "probe_offsets": offsets,
+                **extra,
                 "summary": summary,
                 "runs": runs,
             },
             indent=1,
         )
     )
-    plot(runs, offsets, out)
+    plot(runs, summary, study, offsets, out)
     print("\n" + report)
-    leak_figure = ", import_leak.png" if settings["import_leak"] else ""
-    print(
-        f"wrote {out / 'results.md'}, results.json, val_loss.png, loss_by_position.png, offset_probe.png{leak_figure}"
-    )
+    leak_figure = ", import_leak.png" if study.import_leak else ""
+    print(f"wrote {out / 'results.md'}, results.json, effects.png, loss_by_position.png, offset_probe.png{leak_figure}")
     return 0
 
 

@@ -25,91 +25,107 @@ from data import Flags
 MAX_SEED = 2**63 - 1  # what torch, numpy and the data hash all take
 
 
-def _f(default, help: str, choices: tuple | None = None, minimum: float | None = None, maximum: float | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices, "min": minimum, "max": maximum})
+def setting(
+    default, help: str, choices: tuple | None = None, minimum: float | None = None, maximum: float | None = None
+):
+    """A dataclass field with its help text and bounds (a list's bounds and choices apply to each item)."""
+    metadata = {"help": help, "choices": choices, "min": minimum, "max": maximum}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class Config:
     # data
-    dataset: str = _f(
+    dataset: str = setting(
         "stdlib",
         "'stdlib' (top-level functions and classes of the Python standard library), "
         "'stdlib-files' (whole modules), a directory of text files (one document each), a .jsonl, .jsonl.gz or "
         ".jsonl.zst file (one document per line), a .parquet file (one per row), a glob or directory of such "
         "files, a text file of documents separated by <|endoftext|>, or a folder prepared by data.py",
     )
-    text_field: str = _f("text", "the field (.jsonl) or column (.parquet) that holds each document's text")
-    data_dir: str = _f("data", "where prepared shards are kept (one folder per corpus content and tokenizer)")
-    tokenizer: str = _f(
+    text_field: str = setting("text", "the field (.jsonl) or column (.parquet) that holds each document's text")
+    data_dir: str = setting("data", "where prepared shards are kept (one folder per corpus content and tokenizer)")
+    tokenizer: str = setting(
         "bpe",
         "'bpe' (train one on the corpus with rustbpe), a tiktoken name such as 'gpt2' "
         "(downloads on first use), or a path to a .tiktoken file",
     )
-    tokenizer_vocab_size: int = _f(
+    tokenizer_vocab_size: int = setting(
         8192, "vocabulary size of a trained 'bpe' tokenizer, EOT included", minimum=257, maximum=65536
     )
-    tokenizer_train_mb: int = _f(
+    tokenizer_train_mb: int = setting(
         100, "a 'bpe' tokenizer trains on a fixed sample of this many million characters of training text", minimum=1
     )
-    val_fraction: float = _f(0.05, "fraction of documents held out for validation", minimum=0.0)
-    packing: str = _f(
+    val_fraction: float = setting(0.05, "fraction of documents held out for validation", minimum=0.0)
+    packing: str = setting(
         "concat",
         "'concat': contiguous rows of the document stream; 'pad': one document (or chunk) per row, padded",
         choices=("concat", "pad"),
     )
     # the three fixes (README: "The three flags")
-    doc_mask: bool = _f(True, "attend only within the document (block-diagonal causal); false: causal across documents")
-    reset_position_ids: bool = _f(True, "restart position ids at 0 after each EOT; false: 0..seq_len-1 across the row")
-    mask_boundary_loss: bool = _f(True, "ignore the target predicted from each EOT (the next document's first token)")
+    doc_mask: bool = setting(
+        True, "attend only within the document (block-diagonal causal); false: causal across documents"
+    )
+    reset_position_ids: bool = setting(
+        True, "restart position ids at 0 after each EOT; false: 0..seq_len-1 across the row"
+    )
+    mask_boundary_loss: bool = setting(
+        True, "ignore the target predicted from each EOT (the next document's first token)"
+    )
     # model
-    pos_emb: str = _f("learned", "position encoding", choices=("learned", "rope"))
-    seq_len: int = _f(256, "tokens per row (the context length)", minimum=2)
-    n_layer: int = _f(4, "transformer blocks", minimum=1)
-    n_head: int = _f(4, "attention heads", minimum=1)
-    n_embd: int = _f(128, "model width", minimum=2)
-    dropout: float = _f(0.0, "dropout on embeddings and residual branches (attention itself has none)", minimum=0.0)
-    attn_impl: str = _f("auto", "'auto': FlexAttention on CUDA, SDPA elsewhere", choices=("auto", "flex", "sdpa"))
+    pos_emb: str = setting("learned", "position encoding", choices=("learned", "rope"))
+    seq_len: int = setting(256, "tokens per row (the context length)", minimum=2)
+    n_layer: int = setting(4, "transformer blocks", minimum=1)
+    n_head: int = setting(4, "attention heads", minimum=1)
+    n_embd: int = setting(128, "model width", minimum=2)
+    dropout: float = setting(
+        0.0, "dropout on embeddings and residual branches (attention itself has none)", minimum=0.0
+    )
+    attn_impl: str = setting("auto", "'auto': FlexAttention on CUDA, SDPA elsewhere", choices=("auto", "flex", "sdpa"))
     # optimisation
-    batch_size: int = _f(8, "rows per micro-batch", minimum=1)
-    grad_accum: int = _f(1, "micro-batches per optimizer step", minimum=1)
-    max_iters: int = _f(600, "optimizer steps", minimum=0)
-    lr: float = _f(3e-3, "peak learning rate", minimum=0.0, maximum=10.0)
-    min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay", minimum=0.0, maximum=10.0)
-    warmup_iters: int = _f(60, "linear warmup steps", minimum=0)
-    weight_decay: float = _f(0.1, "AdamW weight decay on matrices (not on norms)", minimum=0.0, maximum=10.0)
-    beta1: float = _f(0.9, "AdamW beta1", minimum=0.0)
-    beta2: float = _f(0.99, "AdamW beta2", minimum=0.0)
-    grad_clip: float = _f(1.0, "clip the gradient norm to this (0: off)", minimum=0.0)
+    batch_size: int = setting(8, "rows per micro-batch", minimum=1)
+    grad_accum: int = setting(1, "micro-batches per optimizer step", minimum=1)
+    max_iters: int = setting(600, "optimizer steps", minimum=0)
+    lr: float = setting(3e-3, "peak learning rate", minimum=0.0, maximum=10.0)
+    min_lr: float = setting(3e-4, "learning rate at the end of the cosine decay", minimum=0.0, maximum=10.0)
+    warmup_iters: int = setting(60, "linear warmup steps", minimum=0)
+    weight_decay: float = setting(0.1, "AdamW weight decay on matrices (not on norms)", minimum=0.0, maximum=10.0)
+    beta1: float = setting(0.9, "AdamW beta1", minimum=0.0)
+    beta2: float = setting(0.99, "AdamW beta2", minimum=0.0)
+    grad_clip: float = setting(1.0, "clip the gradient norm to this (0: off)", minimum=0.0)
     # evaluation, logging, checkpoints
-    eval_interval: int = _f(300, "evaluate and checkpoint every this many steps (and at the end)", minimum=1)
-    eval_tokens: int = _f(
+    eval_interval: int = setting(300, "evaluate and checkpoint every this many steps (and at the end)", minimum=1)
+    eval_tokens: int = setting(
         1_000_000,
         "validation tokens per evaluation: the whole documents at the start of the (shuffled) validation split "
         "that fit, the same for every run (0: all)",
         minimum=0,
     )
-    log_interval: int = _f(20, "print and log training metrics every this many steps", minimum=1)
-    sample_prompt: str = _f("def ", "prompt of the sample printed at the end ('' for none)")
-    sample_tokens: int = _f(80, "tokens in that sample", minimum=0)
-    out_dir: str = _f("out", "where config.json, metrics.jsonl and ckpt.pt are written")
-    resume: bool = _f(False, "continue from out_dir/ckpt.pt")
-    overwrite: bool = _f(False, "start afresh in an out_dir that holds a run, replacing it (without this: refused)")
-    seed: int = _f(0, "seed of the model init and the data order", minimum=0, maximum=MAX_SEED)
-    data_seed: int = _f(
+    log_interval: int = setting(20, "print and log training metrics every this many steps", minimum=1)
+    sample_prompt: str = setting("def ", "prompt of the sample printed at the end ('' for none)")
+    sample_tokens: int = setting(80, "tokens in that sample", minimum=0)
+    out_dir: str = setting("out", "where config.json, metrics.jsonl and ckpt.pt are written")
+    resume: bool = setting(False, "continue from out_dir/ckpt.pt")
+    overwrite: bool = setting(
+        False, "start afresh in an out_dir that holds a run, replacing it (without this: refused)"
+    )
+    seed: int = setting(0, "seed of the model init and the data order", minimum=0, maximum=MAX_SEED)
+    data_seed: int = setting(
         1337,
         "seed of the train/val split, the document order and the tokenizer sample (kept fixed across runs)",
         minimum=0,
         maximum=MAX_SEED,
     )
-    device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'")
-    dtype: str = _f(
+    device: str = setting("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'")
+    dtype: str = setting(
         "auto", "'auto' (bfloat16 autocast on CUDA, float32 elsewhere)", choices=("auto", "float32", "bfloat16")
     )
-    compile: bool = _f(False, "torch.compile the model (CUDA)")
-    wandb: bool = _f(False, "log to Weights & Biases (mode from WANDB_MODE, e.g. offline)")
-    wandb_project: str = _f("packed-gpt", "wandb project")
-    wandb_run_name: str = _f("", "wandb run name ('' for out_dir's name)")
+    compile: bool = setting(False, "torch.compile the model (CUDA)")
+    wandb: bool = setting(False, "log to Weights & Biases (mode from WANDB_MODE, e.g. offline)")
+    wandb_project: str = setting("packed-gpt", "wandb project")
+    wandb_run_name: str = setting("", "wandb run name ('' for out_dir's name)")
 
     @property
     def flags(self) -> Flags:
@@ -159,13 +175,33 @@ class ArgumentParser(argparse.ArgumentParser):
 # Configuration: defaults < TOML file < --key=value
 
 
-def _coerce(name: str, value, kind: type):
-    if kind is bool:
+def _coerce(name: str, value, kind: str):
+    """A value of a setting of type `kind` ("bool", "int", "float", "str", "list[...]", "dict[str, int]"),
+    from TOML or from the command line's text; lists and tables on the command line are comma-separated
+    (--probe_offsets=64,128, --seeds_by_variant=reference=8,pad=4)."""
+    if kind.startswith("list["):
+        item = kind[5:-1]
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list):
+            return [_coerce(name, v, item) for v in value]
+        raise ConfigError(f"{name}={value!r}: expected a list of {item}")
+    if kind.startswith("dict[str, "):
+        item = kind[10:-1]
+        if isinstance(value, str):
+            pairs = [v.split("=", 1) for v in value.split(",") if v.strip()]
+            if not all(len(pair) == 2 for pair in pairs):
+                raise ConfigError(f"{name}={value!r}: expected name=value pairs separated by commas")
+            value = {k.strip(): v for k, v in pairs}
+        if isinstance(value, dict):
+            return {str(k): _coerce(f"{name}.{k}", v, item) for k, v in value.items()}
+        raise ConfigError(f"{name}={value!r}: expected a table of name = {item}")
+    if kind == "bool":
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-    elif kind is int:
+    elif kind == "int":
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, str):
@@ -173,7 +209,7 @@ def _coerce(name: str, value, kind: type):
                 return int(value)
             except ValueError:
                 pass
-    elif kind is float:
+    elif kind == "float":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if isinstance(value, str):
@@ -181,30 +217,44 @@ def _coerce(name: str, value, kind: type):
                 return float(value)
             except ValueError:
                 pass
-    elif kind is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+    elif kind == "str" and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
-    raise ConfigError(f"{name}={value!r}: expected {kind.__name__}")
+    raise ConfigError(f"{name}={value!r}: expected {kind}")
 
 
-def parse_config(argv: list[str]) -> Config:
-    """A checked Config from [CONFIG.toml] [--key=value ...]."""
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    types = {"bool": bool, "int": int, "float": float, "str": str}
-    values: dict = {}
-    if argv and not argv[0].startswith("--"):
-        values.update(read_config_file(Path(argv[0])))
-        argv = argv[1:]
+def settings_from(cls: type, values: dict, help_command: str):
+    """An instance of the settings dataclass `cls` from raw values (TOML or command-line text), each of its
+    field's type and within its bounds; an unknown key is refused with the closest valid one."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"unknown config key {key!r}{hint}; run '{help_command}' for the keys")
+    settings = cls(**{k: _coerce(k, v, fields[k].type) for k, v in values.items()})
+    check_bounds(settings)
+    return settings
+
+
+def command_line_values(argv: list[str]) -> dict:
+    """{key: text} from --key=value arguments."""
+    values = {}
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
             raise ConfigError(f"bad argument {arg!r}: use --key=value (a config file may come first)")
         key, value = arg[2:].split("=", 1)
         values[key] = value
-    for key in values:
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"unknown config key {key!r}{hint}; run 'python train.py --help' for the keys")
-    cfg = Config(**{k: _coerce(k, v, types[fields[k].type]) for k, v in values.items()})
+    return values
+
+
+def parse_config(argv: list[str]) -> Config:
+    """A checked Config from [CONFIG.toml] [--key=value ...]."""
+    values: dict = {}
+    if argv and not argv[0].startswith("--"):
+        values.update(read_config_file(Path(argv[0])))
+        argv = argv[1:]
+    values.update(command_line_values(argv))
+    cfg = settings_from(Config, values, "python train.py --help")
     validate(cfg)
     return cfg
 
@@ -225,19 +275,24 @@ def read_config_file(path: Path) -> dict:
         raise ConfigError(f"config file {path} does not parse: {e}") from None
 
 
+def check_bounds(settings) -> None:
+    """Each value of a settings dataclass within its field's choices and bounds (each item of a list)."""
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        for item in value if isinstance(value, list) else [value]:
+            choices, minimum, maximum = f.metadata["choices"], f.metadata["min"], f.metadata["max"]
+            if choices and item not in choices:
+                raise ConfigError(f"{f.name}={item!r}: choose one of {', '.join(choices)}")
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ConfigError(f"{f.name}={item}: must be a finite number")
+            if minimum is not None and item < minimum:
+                raise ConfigError(f"{f.name}={item!r}: must be at least {minimum}")
+            if maximum is not None and item > maximum:
+                raise ConfigError(f"{f.name}={item!r}: must be at most {maximum}")
+
+
 def validate(cfg: Config) -> None:
-    """Each value within its field's bounds, and the settings consistent with each other."""
-    for f in dataclasses.fields(Config):
-        value, choices = getattr(cfg, f.name), f.metadata["choices"]
-        minimum, maximum = f.metadata["min"], f.metadata["max"]
-        if choices and value not in choices:
-            raise ConfigError(f"{f.name}={value!r}: choose one of {', '.join(choices)}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{f.name}={value}: must be a finite number")
-        if minimum is not None and value < minimum:
-            raise ConfigError(f"{f.name}={value!r}: must be at least {minimum}")
-        if maximum is not None and value > maximum:
-            raise ConfigError(f"{f.name}={value!r}: must be at most {maximum}")
+    """The settings consistent with each other (each value's own bounds: check_bounds)."""
     for name in ("dataset", "data_dir", "out_dir", "text_field"):
         if not getattr(cfg, name).strip():
             raise ConfigError(f"{name} is empty: give a {'field name' if name == 'text_field' else 'path'}")
@@ -253,13 +308,19 @@ def validate(cfg: Config) -> None:
         raise ConfigError("dropout, beta1 and beta2 must be below 1")
 
 
-def help_text(usage: str, keys: tuple[str, ...] | None = None) -> str:
-    """`usage`, then every setting (or those in `keys`) with its default, choices and help."""
+def help_text(usage: str, keys: tuple[str, ...] | None = None, cls: type = Config) -> str:
+    """`usage`, then every setting of `cls` (or those in `keys`) with its default, choices and help."""
     lines = [usage.strip(), "", "settings (--key=default):"]
-    for f in dataclasses.fields(Config):
+    for f in dataclasses.fields(cls):
         if keys is not None and f.name not in keys:
             continue
-        default = str(f.default).lower() if isinstance(f.default, bool) else f.default
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if isinstance(default, bool):
+            default = str(default).lower()
+        elif isinstance(default, list):
+            default = ",".join(map(str, default))
+        elif isinstance(default, dict):
+            default = ",".join(f"{k}={v}" for k, v in default.items())
         choices = f"  [{' | '.join(f.metadata['choices'])}]" if f.metadata["choices"] else ""
         lines.append(f"  --{f.name}={default}{choices}")
         lines += textwrap.wrap(f.metadata["help"], width=100, initial_indent=" " * 6, subsequent_indent=" " * 6)

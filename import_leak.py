@@ -39,7 +39,7 @@ import train
 from config import ArgumentParser, Config, ConfigError, resolve_device
 from data import IGNORE_INDEX, Flags
 from model import GPT, attention_mask
-from stats import confidence_interval
+from stats import paired_effect
 
 IMPORT_LINE = re.compile(r"(?:import|from)[ \t]+([A-Za-z_]\w*)")
 PRECEDING_FILES = (1, 2, 4)  # k: files that import m before B
@@ -247,7 +247,7 @@ def probe(
     by_setting = {}
     for (k, extra), values in ((s, v) for s, v in logp.items() if s is not None):
         deltas = [values[p] - alone[p] for p in values if p in alone]
-        low, high = confidence_interval(deltas)
+        low, high = paired_effect(deltas).interval(0.95) if deltas else (None, None)
         by_setting[f"k={k},extra={extra}"] = {
             "files": k,
             "extra_tokens": extra,
@@ -268,7 +268,7 @@ def probe(
         )
     (leak_after, lines_after), (leak_alone, lines_alone) = conditions["after"], conditions["alone"]
     per_pair = (leak_after - leak_alone).reshape(len(pairs), samples).mean(1)
-    low, high = confidence_interval(per_pair.tolist())
+    low, high = paired_effect(per_pair.tolist()).interval(0.95)
     return {
         "pairs": len(pairs),
         "logprob": by_setting,

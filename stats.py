@@ -1,10 +1,31 @@
-"""Small statistics for the studies: means, spreads, 95% confidence intervals and what they say."""
+"""The statistics of the studies: paired effects over seeds, tests of difference and of equivalence, Holm's
+correction, and the verdicts they give. Only the standard library and numpy: Student's t distribution is
+computed here from the regularized incomplete beta function.
+
+The seed is the unit of inference. A study runs each variant with the same seeds as the reference (a
+seed fixes both the init and the data order), so an effect is the mean of the per-seed differences to
+the reference: a paired, seed-blocked analysis with each cell's own variance and n - 1 degrees of
+freedom. (The pilot's paired differences differed 10x in spread between cells, so a variance pooled
+across variants would misstate most of them.)
+
+Verdicts of a primary effect, at family-wise level ALPHA (Holm, separately over the difference tests and
+over the equivalence tests of the primary family):
+    hurts / helps   the two-sided test of "no difference" rejects (the variant raises / lowers the loss)
+    negligible      the equivalence test (TOST) rejects "|effect| >= margin": the 90% interval, widened
+                    by Holm, lies within +-margin
+    unresolved      neither
+Secondary effects get only a bound: |effect| < X, X the largest end of their 90% interval.
+Predicted invariances are checked value by value, outside the family (`invariance`).
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
+
+ALPHA = 0.05  # family-wise error of each family of primary tests
 
 
 def mean_spread(values: list[float]) -> tuple[float, float]:
@@ -12,59 +33,148 @@ def mean_spread(values: list[float]) -> tuple[float, float]:
     return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
 
 
-# Two-sided 95% quantiles of Student's t with 1..30 degrees of freedom (standard tables); 1.96 beyond.
-T_975 = (
-    12.706,
-    4.303,
-    3.182,
-    2.776,
-    2.571,
-    2.447,
-    2.365,
-    2.306,
-    2.262,
-    2.228,
-    2.201,
-    2.179,
-    2.160,
-    2.145,
-    2.131,
-    2.120,
-    2.110,
-    2.101,
-    2.093,
-    2.086,
-    2.080,
-    2.074,
-    2.069,
-    2.064,
-    2.060,
-    2.056,
-    2.052,
-    2.048,
-    2.045,
-    2.042,
-)
-NO_EFFECT = 0.01  # nats: an effect whose whole confidence interval lies within +-0.01 is "no effect"
+# ----------------------------------------------------------------------------------------------
+# Student's t distribution
 
 
-def confidence_interval(values: list[float]) -> tuple[float, float]:
-    """95% confidence interval of the mean of `values` (Student's t); infinite with fewer than 2."""
-    if len(values) < 2:
-        return -math.inf, math.inf
-    mean, sd = mean_spread(values)
-    half = (T_975[len(values) - 2] if len(values) <= 31 else 1.96) * sd / math.sqrt(len(values))
-    return mean - half, mean + half
+def regularized_incomplete_beta(a: float, b: float, x: float) -> float:
+    """I_x(a, b), from its continued fraction (evaluated by the modified Lentz method), which converges
+    quickly for x < (a + 1) / (a + b + 2); above that, through the symmetry I_x(a, b) = 1 - I_{1-x}(b, a)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - regularized_incomplete_beta(b, a, 1.0 - x)
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    tiny = 1e-300
+    f = c = tiny
+    d = 0.0
+    for j in range(1, 1000):
+        m = (j - 1) // 2
+        if j == 1:
+            numerator = 1.0
+        elif j % 2 == 0:  # d_{2m+1}
+            numerator = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        else:  # d_{2m}
+            numerator = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        d = 1.0 + numerator * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + numerator / c
+        c = c if abs(c) > tiny else tiny
+        f *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return math.exp(log_front) * f / a
 
 
-def verdict(interval: tuple[float, float]) -> str:
-    """What a confidence interval of a loss difference says: the variant "hurts" (raises the loss) or
-    "helps", "no effect" when the whole interval lies within +-NO_EFFECT, else "unresolved"."""
-    low, high = interval
-    if -NO_EFFECT <= low and high <= NO_EFFECT:
-        return "no effect"
-    if low > 0:
-        return "hurts"
-    if high < 0:
-        return "helps"
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with df degrees of freedom."""
+    if math.isinf(t):
+        return 1.0 if t > 0 else 0.0
+    tail = 0.5 * regularized_incomplete_beta(df / 2, 0.5, df / (df + t * t))
+    return 1.0 - tail if t > 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The t with P(T <= t) = p, by bisection on t_cdf."""
+    if not 0 < p < 1:
+        raise ValueError(f"p must be in (0, 1), got {p}")
+    low, high = -1.0, 1.0
+    while t_cdf(low, df) > p:
+        low *= 2
+    while t_cdf(high, df) < p:
+        high *= 2
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if t_cdf(middle, df) < p else (low, middle)
+    return (low + high) / 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Paired effects, tests and corrections
+
+
+@dataclass(frozen=True)
+class Effect:
+    """The mean of per-seed values (paired differences, or a contrast within each run), with its
+    standard error and degrees of freedom."""
+
+    estimate: float
+    se: float
+    df: int
+
+    @property
+    def n(self) -> int:
+        return self.df + 1
+
+    def interval(self, level: float) -> tuple[float, float]:
+        """Two-sided confidence interval at `level` (e.g. 0.95); infinite with one seed."""
+        if self.df < 1:
+            return -math.inf, math.inf
+        half = t_quantile(0.5 + level / 2, self.df) * self.se
+        return self.estimate - half, self.estimate + half
+
+    def p_difference(self) -> float:
+        """Two-sided p-value of "the effect is 0"."""
+        if self.df < 1:
+            return 1.0
+        if self.se == 0:
+            return 0.0 if self.estimate != 0 else 1.0
+        return 2 * (1 - t_cdf(abs(self.estimate) / self.se, self.df))
+
+    def p_equivalence(self, margin: float) -> float:
+        """Two one-sided tests (TOST) of "|effect| >= margin": the larger of the two one-sided p-values.
+        It is below alpha exactly when the (1 - 2 alpha) interval lies within +-margin."""
+        if self.df < 1:
+            return 1.0
+        if self.se == 0:
+            return 0.0 if abs(self.estimate) < margin else 1.0
+        above = 1 - t_cdf((self.estimate + margin) / self.se, self.df)  # H0: effect <= -margin
+        below = t_cdf((self.estimate - margin) / self.se, self.df)  # H0: effect >= +margin
+        return max(above, below)
+
+    def bound(self) -> float:
+        """X of the secondary statement |effect| < X: the largest end of the 90% interval."""
+        low, high = self.interval(0.90)
+        return max(abs(low), abs(high))
+
+
+def paired_effect(values: list[float], reference: list[float] | None = None) -> Effect:
+    """The effect of per-seed `values` (minus the reference's value of the same seed, when given)."""
+    diffs = np.asarray(values, dtype=float) - (0.0 if reference is None else np.asarray(reference, dtype=float))
+    if len(diffs) == 0:
+        raise ValueError("an effect needs at least one seed")
+    sd = float(np.std(diffs, ddof=1)) if len(diffs) > 1 else math.inf
+    return Effect(float(diffs.mean()), sd / math.sqrt(len(diffs)), len(diffs) - 1)
+
+
+def holm(p_values: dict) -> dict:
+    """Holm's step-down adjusted p-values (family-wise error control, any dependence): the i-th smallest
+    of m is multiplied by m - i + 1, then made non-decreasing and capped at 1."""
+    ordered = sorted(p_values, key=p_values.get)
+    adjusted, running = {}, 0.0
+    for i, key in enumerate(ordered):
+        running = max(running, min(1.0, (len(ordered) - i) * p_values[key]))
+        adjusted[key] = running
+    return adjusted
+
+
+def primary_verdict(effect: Effect, p_difference_adjusted: float, p_equivalence_adjusted: float) -> str:
+    """hurts / helps / negligible / unresolved, from the Holm-adjusted p-values (see the module docstring).
+    Equivalence comes first: an effect shown to lie within the margin is negligible whatever its sign."""
+    if p_equivalence_adjusted < ALPHA:
+        return "negligible"
+    if p_difference_adjusted < ALPHA:
+        return "hurts" if effect.estimate > 0 else "helps"
     return "unresolved"
+
+
+def invariance(values: list[float], reference: list[float] | None, tolerance: float) -> tuple[str, float, bool]:
+    """A predicted invariance checked seed by seed: (verdict, max |difference|, bitwise equal). The
+    verdict is "invariant" when every difference is within `tolerance` (float rounding), else
+    "not invariant". `reference` None: the values themselves must be 0."""
+    other = [0.0] * len(values) if reference is None else reference
+    diffs = [abs(a - b) for a, b in zip(values, other, strict=True)]
+    worst = max(diffs)
+    return ("invariant" if worst <= tolerance else "not invariant"), worst, worst == 0.0

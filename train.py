@@ -130,7 +130,9 @@ def evaluate(
     """On `val`, the fixed validation subset (whole documents):
     val_loss: packed rows under this run's packing and flags.
     val_doc_loss: every document alone from position 0 (the inference setting; the same computation for
-    every run), with its loss by position within the document."""
+    every run). Its loss sums and counted targets by position within the document (positions below
+    seq_len) and by document are kept too, so that any band of positions, or any subset of documents,
+    can be scored from metrics.jsonl without running the model again."""
     model.eval()
     common = dict(stream=val, eot_id=eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, shuffle=False)
     packed = PackedBatches(packing=cfg.packing, flags=cfg.flags, split="val", **common)
@@ -141,26 +143,33 @@ def evaluate(
         with autocast:
             losses, counted = token_losses(model, batch, model_config)
         total, count = total + losses.sum(), count + counted.sum()
-    doc_total, doc_count = torch.zeros((), device=device), torch.zeros((), device=device)
-    by_pos_sum = torch.zeros(cfg.seq_len, device=device)
-    by_pos_count = torch.zeros(cfg.seq_len, device=device)
-    for batch in alone.all_batches():
+    document_of_row = torch.from_numpy(np.cumsum(alone.offsets == 0) - 1).to(device)  # a long document has several
+    n_documents = int(document_of_row[-1]) + 1
+    by_position = torch.zeros(2, cfg.seq_len, dtype=torch.float64, device=device)  # loss sum, counted targets
+    by_document = torch.zeros(2, n_documents, dtype=torch.float64, device=device)
+    for first_row, batch in zip(range(0, len(alone.starts), cfg.batch_size), alone.all_batches()):
         batch = batch.to(device)
         with autocast:
             losses, counted = token_losses(model, batch, model_config)
-        losses, counted = losses.flatten(), counted.flatten()
-        doc_total, doc_count = doc_total + losses.sum(), doc_count + counted.sum()
-        early = counted & (batch.doc_positions.flatten() < cfg.seq_len)  # later chunks of long documents
-        positions = batch.doc_positions.flatten()[early]
-        by_pos_sum.index_add_(0, positions, losses[early])
-        by_pos_count.index_add_(0, positions, torch.ones_like(positions, dtype=torch.float))
+        rows = document_of_row[first_row : first_row + cfg.batch_size]
+        real = slice(0, len(rows))  # the last batch is filled up with empty rows
+        by_document[0].index_add_(0, rows, losses[real].sum(1).double())
+        by_document[1].index_add_(0, rows, counted[real].sum(1).double())
+        early = counted & (batch.doc_positions < cfg.seq_len)  # not the later chunks of long documents
+        positions = batch.doc_positions[early]
+        by_position[0].index_add_(0, positions, losses[early].double())
+        by_position[1].index_add_(0, positions, torch.ones_like(positions, dtype=torch.float64))
     model.train()
-    n_positions = int((by_pos_count > 0).sum())
-    by_position = (by_pos_sum / by_pos_count.clamp(min=1))[:n_positions]
+    n_positions = int((by_position[1] > 0).sum())
+    by_position = by_position[:, :n_positions].tolist()
+    by_document = by_document.tolist()
     return {
         "val_loss": (total / count.clamp(min=1)).item(),
-        "val_doc_loss": (doc_total / doc_count.clamp(min=1)).item(),
-        "val_doc_loss_by_position": [round(x, 4) for x in by_position.tolist()],
+        "val_doc_loss": sum(by_document[0]) / max(1.0, sum(by_document[1])),
+        "val_doc_loss_sum_by_position": [round(x, 4) for x in by_position[0]],
+        "val_doc_count_by_position": [int(x) for x in by_position[1]],
+        "val_doc_loss_sum_by_document": [round(x, 4) for x in by_document[0]],
+        "val_doc_count_by_document": [int(x) for x in by_document[1]],
     }
 
 
