@@ -62,6 +62,7 @@ from config import (
     parse_config,
     read_config_file,
     resolve_device,
+    run_main,
     setting,
     settings_from,
 )
@@ -95,7 +96,9 @@ CONTRAST_ENDPOINTS = ("offset_effect", "contamination", "leak_logprob", "leak_ra
 class Study:
     """The [ablate] table: what a study runs and how it decides."""
 
-    out_dir: str = setting("out/ablate", "the study's folder: one run folder per cell and seed, and the report")
+    out_dir: str = setting(
+        "out/ablate", "the study's folder: one run folder per cell and seed, and the report", path=True
+    )
     pos_embs: list[str] = setting(list(POSITION_KINDS), "position kinds to run", choices=POSITION_KINDS)
     variants: list[str] = setting(
         list(VARIANTS), "variants to run (the reference is required)", choices=tuple(VARIANTS)
@@ -129,6 +132,8 @@ class Study:
     leak_pairs: int = setting(64, "pairs of the import-leak probe at most", minimum=1)
 
     def validate(self) -> None:
+        if not self.out_dir.strip():
+            raise ConfigError("out_dir is empty: give the study's folder")
         if "reference" not in self.variants:
             raise ConfigError("variants must include reference: every effect is measured against it")
         unknown = set(self.seeds_by_variant) - set(VARIANTS)
@@ -387,7 +392,7 @@ def run_one(cfg: Config, study: Study, decided: dict, offsets: list[int]) -> dic
     if done.exists():
         return json.loads(done.read_text())["result"]
     out.mkdir(parents=True, exist_ok=True)
-    started.write_text(json.dumps({"decided_by": decided}))
+    run_infra.write_atomically(started, json.dumps({"decided_by": decided}))
     cfg.resume = (out / "ckpt.pt").exists()  # a run interrupted earlier continues from its checkpoint
     train.train(cfg)
     if run_infra.read_checkpoint(out / "ckpt.pt")["step"] != cfg.max_iters:
@@ -405,9 +410,8 @@ def run_one(cfg: Config, study: Study, decided: dict, offsets: list[int]) -> dic
     }
     if study.import_leak:
         result["import_leak"] = import_leak.probe_run(out, resolve_device(cfg.device), study.leak_pairs)
-    tmp = done.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"result": result, "decided_by": decided}))
-    os.replace(tmp, done)  # a run counts as finished only once its probes are written
+    # a run counts as finished only once its probes are written
+    run_infra.write_atomically(done, json.dumps({"result": result, "decided_by": decided}))
     return result
 
 
@@ -830,32 +834,32 @@ def main(argv: list[str]) -> int:
     except (ConfigError, data.DataError, train.TrainingDiverged, run_infra.SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside training (the probes)
+        print("\ninterrupted: run the same command to continue the study", file=sys.stderr)
+        return 130
+    try:
+        write_report(runs, study, offsets, base, regime, pad_factor, out)
+    except run_infra.SaveFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def write_report(runs: dict, study: Study, offsets: list[int], base: Config, regime: dict, pad_factor: float, out):
     runs = {pos: {v: dict(sorted(cell.items())) for v, cell in kinds.items()} for pos, kinds in runs.items()}
     summary = summarise(runs, study, offsets)
     env = environment()
     wall = sum(r["wall_seconds"] for kinds in runs.values() for cell in kinds.values() for r in cell.values())
     extra = {"regime": regime, "pad_steps_factor": pad_factor, "wall": f"{wall / 60:.0f} min of training steps"}
     report = format_report(summary, env, study, offsets, base, extra)
-    (out / "results.md").write_text(report)
-    (out / "results.json").write_text(
-        json.dumps(
-            {
-                "environment": env,
-                "study": dataclasses.asdict(study),
-                "probe_offsets": offsets,
-                **extra,
-                "summary": summary,
-                "runs": runs,
-            },
-            indent=1,
-        )
-    )
+    everything = {"environment": env, "study": dataclasses.asdict(study), "probe_offsets": offsets, **extra}
+    run_infra.write_atomically(out / "results.json", json.dumps({**everything, "summary": summary, "runs": runs}))
+    run_infra.write_atomically(out / "results.md", report)
     plot(runs, summary, study, offsets, out)
     print("\n" + report)
     leak_figure = ", import_leak.png" if study.import_leak else ""
     print(f"wrote {out / 'results.md'}, results.json, effects.png, loss_by_position.png, offset_probe.png{leak_figure}")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run_main(main)

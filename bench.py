@@ -49,7 +49,7 @@ import data
 import model as model_module
 import run_infra
 import train
-from config import ArgumentParser, ConfigError
+from config import ArgumentParser, ConfigError, expanded_path, run_main
 from data import IGNORE_INDEX, Batch
 from model import (
     FLEX_KERNEL_OPTIONS,
@@ -315,7 +315,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--steps", type=int, default=20 if cuda else 3, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=5 if cuda else 1, help="untimed steps first (compilation)")
-    parser.add_argument("--out", default="bench.json", help="where the JSON results are written")
+    parser.add_argument("--out", default="bench.json", type=expanded_path, help="where the JSON results are written")
     args = parser.parse_args(argv)
     variants, layouts, pos_embs = args.variants.split(","), args.layouts.split(","), args.pos_embs.split(",")
     for name, chosen, valid in (
@@ -357,6 +357,11 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    try:
+        run_infra.write_atomically(out, "{}")  # fails now, not after the benchmark, if it cannot be written
+    except run_infra.SaveFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     peak, peak_dtype = peak_matmul_flops(device)
     hardware = torch.cuda.get_device_name(device) if cuda else f"CPU ({torch.get_num_threads()} threads)"
     print(
@@ -370,6 +375,19 @@ def main(argv: list[str]) -> int:
         "args": vars(args),
         "results": [],
     }
+    try:
+        run_all(args, report, out, seq_lens, variants, layouts, pos_embs, option_sets, base, device, peak)
+    except run_infra.SaveFailed as e:  # a full disk or a file-size limit, after some rows: they stay in out
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(format_table(report["results"], args.n_layer))
+    print(f"wrote {out}")
+    return 0
+
+
+def run_all(args, report, out, seq_lens, variants, layouts, pos_embs, option_sets, base, device, peak) -> None:
+    """Every row, each written to `out` as soon as it is measured."""
+    cuda = device.type == "cuda"
     for seq_len in seq_lens:
         batch_size = max(1, args.tokens // seq_len)
         for layout in layouts:
@@ -409,15 +427,12 @@ def main(argv: list[str]) -> int:
                             row["mfu"] = row["tokens_per_sec"] * flops / peak
                             row["mfu_doc"] = row["tokens_per_sec"] * (flops - attention + attention / ideal) / peak
                         report["results"].append(row)
-                        out.write_text(json.dumps(report, indent=1))
+                        run_infra.write_atomically(out, json.dumps(report, indent=1))
                         name = f"T={seq_len} {layout} {row['pos_emb']} {variant}"
                         print(f"  done: {name} {row.get('error', '')}", flush=True)
                         gc.collect()
                         if cuda:
                             torch.cuda.empty_cache()
-    print(format_table(report["results"], args.n_layer))
-    print(f"wrote {out}")
-    return 0
 
 
 def attention_flops_per_token(config: GPTConfig) -> float:
@@ -470,4 +485,4 @@ def format_table(results: list[dict], n_layer: int) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run_main(main)

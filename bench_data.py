@@ -149,19 +149,37 @@ def prepare(dataset: Path, data_dir: Path, tokenizer: str = "bpe") -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from config import ArgumentParser  # reports a bad argument in one line, like every script here
+    from config import ArgumentParser, expanded_path  # a bad argument is one line, as in every script here
+    from run_infra import SaveFailed, write_atomically
 
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--gb", type=float, default=2.0, help="size of the corpus in GB of text (characters)")
-    parser.add_argument("--work_dir", default="bench_data_work", help="where the corpora and shards are written")
-    parser.add_argument("--out", default="bench_data.json", help="where the results are written (JSON)")
+    parser.add_argument(
+        "--work_dir", default="bench_data_work", type=expanded_path, help="where the corpora and shards are written"
+    )
+    parser.add_argument(
+        "--out", default="bench_data.json", type=expanded_path, help="where the results are written (JSON)"
+    )
     args = parser.parse_args(argv)
     if not args.gb > 0:
         parser.error("--gb must be positive")
     work, out = Path(args.work_dir), Path(args.out)
     if out.is_dir():
         parser.error(f"--out={out} is a folder; give a file name")
-    out.write_text("")  # fails now, not after the benchmark, if the file cannot be written
+    try:
+        write_atomically(out, "{}")  # fails now, not after the benchmark, if the file cannot be written
+        return benchmark(args, work, out)
+    except SaveFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk or a file-size limit while the corpus is generated
+        print(f"error: could not write in {work} ({e.strerror or e}); run again once there is room", file=sys.stderr)
+        return 1
+
+
+def benchmark(args, work: Path, out: Path) -> int:
+    from run_infra import write_atomically
+
     corpus = work / f"corpus_{args.gb:g}gb"
     if not (corpus / "done.json").exists():
         print(f"generating {args.gb:g} GB of text in {corpus} ...", flush=True)
@@ -210,11 +228,13 @@ def main(argv: list[str]) -> int:
         )
     report = "\n".join(lines)
     results["report"] = report
-    out.write_text(json.dumps(results, indent=1))
+    write_atomically(out, json.dumps(results, indent=1))
     print(report)
     print(f"wrote {out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from config import run_main
+
+    run_main(main)

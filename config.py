@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import math
+import os
 import re
 import sys
 import textwrap
@@ -26,10 +28,16 @@ MAX_SEED = 2**63 - 1  # what torch, numpy and the data hash all take
 
 
 def setting(
-    default, help: str, choices: tuple | None = None, minimum: float | None = None, maximum: float | None = None
+    default,
+    help: str,
+    choices: tuple | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    path: bool = False,
 ):
-    """A dataclass field with its help text and bounds (a list's bounds and choices apply to each item)."""
-    metadata = {"help": help, "choices": choices, "min": minimum, "max": maximum}
+    """A dataclass field with its help text and bounds (a list's bounds and choices apply to each item);
+    `path`: a leading ~ is the home folder, wherever the value comes from."""
+    metadata = {"help": help, "choices": choices, "min": minimum, "max": maximum, "path": path}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -44,13 +52,17 @@ class Config:
         "'stdlib-files' (whole modules), a directory of text files (one document each), a .jsonl, .jsonl.gz or "
         ".jsonl.zst file (one document per line), a .parquet file (one per row), a glob or directory of such "
         "files, a text file of documents separated by <|endoftext|>, or a folder prepared by data.py",
+        path=True,
     )
     text_field: str = setting("text", "the field (.jsonl) or column (.parquet) that holds each document's text")
-    data_dir: str = setting("data", "where prepared shards are kept (one folder per corpus content and tokenizer)")
+    data_dir: str = setting(
+        "data", "where prepared shards are kept (one folder per corpus content and tokenizer)", path=True
+    )
     tokenizer: str = setting(
         "bpe",
         "'bpe' (train one on the corpus with rustbpe), a tiktoken name such as 'gpt2' "
         "(downloads on first use), or a path to a .tiktoken file",
+        path=True,
     )
     tokenizer_vocab_size: int = setting(
         8192, "vocabulary size of a trained 'bpe' tokenizer, EOT included", minimum=257, maximum=65536
@@ -98,15 +110,16 @@ class Config:
     # evaluation, logging, checkpoints
     eval_interval: int = setting(300, "evaluate and checkpoint every this many steps (and at the end)", minimum=1)
     eval_tokens: int = setting(
-        1_000_000,
+        -1,
         "validation tokens per evaluation: the whole documents at the start of the (shuffled) validation split "
-        "that fit, the same for every run (0: all)",
-        minimum=0,
+        "that fit, the same for every run of these settings (0: all; -1: a quarter of the tokens trained between "
+        "two evaluations, at least 32,768 and at most 1,000,000)",
+        minimum=-1,
     )
     log_interval: int = setting(20, "print and log training metrics every this many steps", minimum=1)
     sample_prompt: str = setting("def ", "prompt of the sample printed at the end ('' for none)")
     sample_tokens: int = setting(80, "tokens in that sample", minimum=0)
-    out_dir: str = setting("out", "where config.json, metrics.jsonl and ckpt.pt are written")
+    out_dir: str = setting("out", "where config.json, metrics.jsonl and ckpt.pt are written", path=True)
     resume: bool = setting(False, "continue from out_dir/ckpt.pt")
     overwrite: bool = setting(
         False, "start afresh in an out_dir that holds a run, replacing it (without this: refused)"
@@ -161,14 +174,42 @@ class ConfigError(Exception):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse for the other scripts, reporting a bad argument as one line `error: ...` like all bad input."""
+    """argparse for the other scripts, with train.py's conventions: a bad argument is one line `error: ...`,
+    values come as --key=value (--key value is refused with that hint), and a leading ~ in a path is the
+    home folder (type=expanded_path)."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
+    def parse_args(self, args=None, namespace=None):
+        for arg in sys.argv[1:] if args is None else args:
+            if arg.startswith("--") and "=" not in arg and arg != "--help":
+                self.error(f"bad argument {arg!r}: use --key=value")
+        return super().parse_args(args, namespace)
+
     def error(self, message: str):
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
+
+
+def expanded_path(value: str) -> str:
+    return os.path.expanduser(value)
+
+
+def run_main(main) -> None:
+    """Every script's entry point: exits with main's code. Ctrl-C that reaches here (a second one during
+    training, or any during the other scripts) is one line and exit 130: what the scripts write is
+    atomic, so nothing half-written is left. Output into a pipe that closes early (| head) ends quietly."""
+    try:
+        code = main(sys.argv[1:])
+        sys.stdout.flush()
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopped at once; nothing half-written was kept", file=sys.stderr)
+        code = 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail too
+        code = 141  # 128 + SIGPIPE, as for a program that the closed pipe stopped
+    sys.exit(code)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,7 +272,11 @@ def settings_from(cls: type, values: dict, help_command: str):
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(f"unknown config key {key!r}{hint}; run '{help_command}' for the keys")
-    settings = cls(**{k: _coerce(k, v, fields[k].type) for k, v in values.items()})
+    coerced = {k: _coerce(k, v, fields[k].type) for k, v in values.items()}
+    for key, value in coerced.items():
+        if fields[key].metadata["path"]:
+            coerced[key] = os.path.expanduser(value)
+    settings = cls(**coerced)
     check_bounds(settings)
     return settings
 
@@ -248,31 +293,60 @@ def command_line_values(argv: list[str]) -> dict:
 
 
 def parse_config(argv: list[str]) -> Config:
-    """A checked Config from [CONFIG.toml] [--key=value ...]."""
+    """A checked Config from [CONFIG.toml] [--key=value ...]. With resume=true the run's saved settings
+    (out_dir/config.json) come first, and the given ones may change only what RESUMABLE_CHANGES allows."""
     values: dict = {}
     if argv and not argv[0].startswith("--"):
-        values.update(read_config_file(Path(argv[0])))
+        values.update(read_config_file(Path(os.path.expanduser(argv[0]))))
         argv = argv[1:]
     values.update(command_line_values(argv))
+    given = settings_from(Config, values, "python train.py --help")
+    if given.resume:
+        values = {**saved_settings(given, values), **values}
     cfg = settings_from(Config, values, "python train.py --help")
     validate(cfg)
     return cfg
 
 
+def saved_settings(given: Config, values: dict) -> dict:
+    """The settings a run was started with, from its out_dir/config.json ({} when there is none), after
+    checking that `values` change only what may change when resuming."""
+    path = Path(given.out_dir) / "config.json"
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}  # no run there: run_folder says so
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} cannot be read ({e}): give the run's settings again, or delete it") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{path} is not a run's settings: give them again, or delete it")
+    fields = {f.name for f in dataclasses.fields(Config)}
+    saved = {k: v for k, v in saved.items() if k in fields and k not in ("resume", "overwrite")}
+    changed = [k for k in values if k not in RESUMABLE_CHANGES and k in saved and getattr(given, k) != saved[k]]
+    if changed:
+        detail = ", ".join(f"{k}: {saved[k]!r} -> {getattr(given, k)!r}" for k in changed)
+        raise ConfigError(
+            f"cannot resume {given.out_dir} with other settings ({detail}); when resuming only "
+            f"{', '.join(sorted(RESUMABLE_CHANGES - {'resume', 'overwrite'}))} may change"
+        )
+    return saved
+
+
 def read_config_file(path: Path) -> dict:
     """A TOML config file's values, or one line saying what is wrong with the file."""
+    hint = "" if path.suffix == ".toml" else f" (to train on a corpus, give it as --dataset={path})"
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found") from None
     except IsADirectoryError:
-        raise ConfigError(f"{path} is a folder, not a config file") from None
+        raise ConfigError(f"{path} is a folder, not a config file{hint}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start}){hint}") from None
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read ({e.strerror})") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path} does not parse: {e}") from None
+        raise ConfigError(f"config file {path} does not parse: {e}{hint}") from None
 
 
 def check_bounds(settings) -> None:

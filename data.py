@@ -30,7 +30,6 @@ import glob
 import gzip
 import hashlib
 import heapq
-import io
 import json
 import math
 import os
@@ -42,7 +41,7 @@ import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -156,6 +155,35 @@ def _glob_root(pattern: str) -> Path:
     return Path(*fixed) if fixed else Path(".")
 
 
+def _glob_files(pattern: str) -> list[Path]:
+    """The files a glob matches, hidden ones left out as glob.glob does. pathlib's ** does not follow
+    symbolic links to folders, so a link that loops back cannot make it walk for ever (glob.glob's does)."""
+    root = _glob_root(pattern)
+    rest = Path(pattern).relative_to(root) if Path(pattern).is_relative_to(root) else Path(pattern)
+    if rest.name == "**":  # "every file below", as glob.glob reads it
+        rest = rest / "*"
+    found = []
+    for path in root.glob(str(rest)):
+        hidden = any(part.startswith(".") for part in path.relative_to(root).parts)
+        if not hidden and path.is_file():
+            found.append(path)
+    return found
+
+
+PREPARED_FILES = ("meta.json", "inputs.json", "tokenizer.tiktoken")
+
+
+def _refuse_incomplete_preparation(folder: Path) -> None:
+    """A folder with some of the files that `prepare` writes is a damaged preparation, not a corpus."""
+    present = [name for name in PREPARED_FILES if (folder / name).is_file()]
+    if present or any(folder.glob("train_*.bin")):
+        missing = [name for name in PREPARED_FILES if name not in present]
+        raise DataError(
+            f"{folder} looks like a folder prepared by data.py but lacks {', '.join(missing)}: it is an incomplete "
+            "preparation; delete it and give the corpus to prepare again"
+        )
+
+
 def _label(text: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in text).strip("._") or "corpus"
 
@@ -175,6 +203,12 @@ def resolve_dataset(dataset: str, exclude: tuple[Path, ...] = ()) -> Source:
     path = Path(dataset).expanduser()
     if path.is_dir():
         root = path.resolve()
+        if any(root == e or root.is_relative_to(e) for e in exclude):
+            raise DataError(
+                f"dataset {dataset} is the data_dir or out_dir of this run (or inside it), which holds prepared "
+                "shards and checkpoints, not a corpus: give the corpus's own folder"
+            )
+        _refuse_incomplete_preparation(root)
         return Source(_label(root.name), str(root), root, tuple(_files_below(root, exclude)))
     if path.is_file():
         name = path.name.lower()
@@ -185,8 +219,8 @@ def resolve_dataset(dataset: str, exclude: tuple[Path, ...] = ()) -> Source:
         resolved = path.resolve()
         return Source(_label(resolved.name), str(resolved), resolved.parent, (resolved,), single_file=True)
     if glob.has_magic(dataset):
-        matches = sorted(Path(p).resolve() for p in glob.glob(os.path.expanduser(dataset), recursive=True))
-        files = tuple(p for p in matches if p.is_file() and not any(p.is_relative_to(e) for e in exclude))
+        matches = sorted(p.resolve() for p in _glob_files(os.path.expanduser(dataset)))
+        files = tuple(p for p in matches if not any(p.is_relative_to(e) for e in exclude))
         if not files:
             raise DataError(f"dataset {dataset!r} matches no files")
         root = _glob_root(os.path.expanduser(dataset)).resolve()
@@ -255,7 +289,7 @@ def _jsonl_documents(path: Path, text_field: str, on_bytes: Callable[[int], None
         elif name.endswith(".zst"):
             import zstandard  # only needed here
 
-            lines = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+            lines = _lines(_zstd_chunks(raw, path))
             damaged += (zstandard.ZstdError,)
         else:
             lines = raw
@@ -283,6 +317,36 @@ def _jsonl_documents(path: Path, text_field: str, on_bytes: Callable[[int], None
             raise DataError(f"{path} cannot be read to the end ({type(e).__name__}: {e})") from None
 
 
+def _zstd_chunks(raw, path: Path) -> Iterator[bytes]:
+    """The decompressed bytes of every frame of a .zst file. zstandard's stream_reader ends quietly where a
+    cut file ends, so part of a corpus would be dropped unseen: here a file that ends inside a frame is an
+    error. (A file cut exactly between two frames is a valid, shorter file: no format can tell.)"""
+    import zstandard
+
+    decompressor = zstandard.ZstdDecompressor()
+    frame, frame_started = decompressor.decompressobj(), False
+    while chunk := raw.read(1 << 20):
+        while chunk:
+            frame_started = True
+            out = frame.decompress(chunk)
+            if out:
+                yield out
+            chunk = b""
+            if frame.eof:  # the frame ended; what follows starts the next one
+                chunk, frame, frame_started = frame.unused_data, decompressor.decompressobj(), False
+    if frame_started:
+        raise DataError(f"{path} ends inside a zstd frame: the file is truncated")
+
+
+def _lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    pending = b""
+    for chunk in chunks:
+        *complete, pending = (pending + chunk).split(b"\n")
+        yield from (line + b"\n" for line in complete)
+    if pending:
+        yield pending
+
+
 def _parquet_documents(path: Path, text_field: str, skipped: Counter, on_bytes: Callable[[int], None]) -> Iterator[str]:
     """One document per row of the text column, read in batches so a row group is never held as
     Python strings all at once."""
@@ -298,7 +362,9 @@ def _parquet_documents(path: Path, text_field: str, skipped: Counter, on_bytes: 
     if text_field not in schema.names:
         raise DataError(f"{path} has no column {text_field!r} (columns: {', '.join(schema.names)}); set --text_field=")
     column_type = schema.field(text_field).type
-    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+    values_type = column_type.value_type if pa.types.is_dictionary(column_type) else column_type
+    string_kinds = (pa.types.is_string, pa.types.is_large_string, getattr(pa.types, "is_string_view", None))
+    if not any(kind is not None and kind(values_type) for kind in string_kinds):  # plain, large, view, dictionary
         raise DataError(f"{path}: column {text_field!r} must hold strings, not {column_type}")
     total_rows, rows, reported = max(1, parquet.metadata.num_rows), 0, 0
     size = path.stat().st_size
@@ -671,26 +737,55 @@ def prepare(
     source = resolve_dataset(dataset, exclude)
     inputs = fingerprint(source)
     out = shard_dir_for(data_dir, source, settings, inputs)
-    if (out / "meta.json").exists():
-        return out
+    if found := _prepared_already(out, settings):
+        return found
     _check_writable_folder(Path(data_dir), "data_dir")
     on_busy = lambda pid: log(f"data: waiting for process {pid}, which is preparing {out}")  # noqa: E731
-    with exclusive_lock(Path(data_dir) / f".{out.name}.lock", on_busy):
-        if (out / "meta.json").exists():  # prepared by the process we waited for
-            return out
+    lock = Path(data_dir) / f".{out.name}.lock"
+    with ExitStack() as held:
+        try:
+            held.enter_context(exclusive_lock(lock, on_busy))
+        except OSError as e:
+            raise DataError(f"{lock} cannot serve as the preparation's lock ({e.strerror or e}): remove it") from None
+        if found := _prepared_already(out, settings):  # prepared by the process we waited for
+            return found
         _report_stale(Path(data_dir), source, settings, inputs, log)
         for stale in Path(data_dir).glob(f".{out.name}.tmp-*"):  # left by an interrupted preparation
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(data_dir) / f".{out.name}.tmp-{os.getpid()}"
-        tmp.mkdir()
         try:
-            _prepare_into(tmp, dataset, source, settings, inputs, log)
+            tmp.mkdir()
+            meta = _prepare_into(tmp, dataset, source, settings, inputs, log)
+            out = _named_by_real_vocabulary(out, settings, meta, log)
             os.replace(tmp, out)  # atomic: the folder appears only when complete
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        except OSError as e:  # a full disk, a file-size limit
+            raise DataError(f"could not write the shards in {data_dir} ({e.strerror or e}); nothing was kept") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already when complete (renamed)
     log(f"data: wrote {out}")
     return out
+
+
+def _prepared_already(out: Path, settings: PrepareSettings) -> Path | None:
+    """These shards' folder if it is complete: named as `out`, or, for a trained tokenizer that came out
+    smaller than asked, by its real size (the hash at the end is the same)."""
+    candidates = [out]
+    if settings.tokenizer == "bpe":
+        label, digest = out.name.rsplit(f"-bpe{settings.vocab_size}-", 1)
+        candidates += sorted(out.parent.glob(f"{label}-bpe*-{digest}"))
+    return next((folder for folder in candidates if (folder / "meta.json").exists()), None)
+
+
+def _named_by_real_vocabulary(out: Path, settings: PrepareSettings, meta: dict, log) -> Path:
+    """A trained tokenizer smaller than asked (a corpus too small for that many merges) says so, and its
+    folder is named by its real size."""
+    if settings.tokenizer != "bpe" or meta["vocab_size"] == settings.vocab_size:
+        return out
+    log(
+        f"data: the corpus gave a tokenizer of only {meta['vocab_size']:,} tokens, not the "
+        f"tokenizer_vocab_size={settings.vocab_size:,} asked (too little text for more merges)"
+    )
+    return out.with_name(out.name.replace(f"-bpe{settings.vocab_size}-", f"-bpe{meta['vocab_size']}-"))
 
 
 def _report_stale(data_dir: Path, source: Source, settings: PrepareSettings, inputs: list[list], log) -> None:
@@ -712,7 +807,7 @@ def _report_stale(data_dir: Path, source: Source, settings: PrepareSettings, inp
         )
 
 
-def _prepare_into(out: Path, dataset: str, source: Source, settings: PrepareSettings, inputs: list[list], log) -> None:
+def _prepare_into(out: Path, dataset: str, source: Source, settings: PrepareSettings, inputs: list[list], log) -> dict:
     seconds = {"start": time.time()}
     total_bytes = sum(p[1] for p in inputs)
     if settings.tokenizer == "bpe":
@@ -778,6 +873,7 @@ def _prepare_into(out: Path, dataset: str, source: Source, settings: PrepareSett
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     for line in describe(meta):
         log(line)
+    return meta
 
 
 def _tokenizer_sample(source: Source, settings: PrepareSettings, total_bytes: int, log) -> list[str]:
@@ -1020,6 +1116,11 @@ class Shards:
         return self.meta["vocab_size"]
 
 
+# what loading and `describe` read
+META_KEYS = ("tokenizer_sha256", "pattern", "vocab_size", "eot_id", "dtype", "splits", "dataset", "tokenizer_name")
+META_KEYS += ("skipped", "bytes_read", "seconds")
+
+
 def load_shards(path: Path) -> Shards:
     """Memory-map prepared shards, checking that every file is complete and consistent (sizes always;
     token ids in the first and last MiB of each shard, so loading stays fast on any corpus)."""
@@ -1032,6 +1133,10 @@ def load_shards(path: Path) -> Shards:
         raise DataError(f"{meta_path} is corrupted (not valid JSON)") from None
     if not isinstance(meta, dict) or meta.get("format_version") != SHARD_FORMAT_VERSION:
         raise DataError(f"{path} was prepared by another version of data.py; delete it to prepare again")
+    missing = [key for key in META_KEYS if key not in meta]
+    if missing or not all(split in meta["splits"] for split in ("train", "val")):
+        what = ", ".join(missing) or "a split"
+        raise DataError(f"{meta_path} lacks {what}: it is damaged; delete {path} to prepare again")
     tok_path = Path(path) / "tokenizer.tiktoken"
     if not tok_path.is_file() or hashlib.sha256(tok_path.read_bytes()).hexdigest() != meta["tokenizer_sha256"]:
         raise DataError(f"{tok_path} is missing or does not match meta.json; delete {path} to prepare again")
@@ -1338,14 +1443,27 @@ def main(argv: list[str]) -> int:
     except (config.ConfigError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(
+            "\ninterrupted: the unfinished preparation was removed; run the same command to start again",
+            file=sys.stderr,
+        )
+        return 130
     print(f"ready: {path}")
     for line in describe(meta):
         print("  " + line.removeprefix("data: "))
+    defaults = config.Config()
+    deciding = "".join(
+        f" --{key}={getattr(cfg, key)}" for key in DATA_KEYS[1:] if getattr(cfg, key) != getattr(defaults, key)
+    )
     print(
-        f"train on it with --dataset={cfg.dataset} (or --dataset={path}, e.g. after copying {cfg.data_dir}/ elsewhere)"
+        f"train on it with --dataset={cfg.dataset}{deciding} "
+        f"(or --dataset={path}, e.g. after copying {cfg.data_dir}/ elsewhere)"
     )
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from config import run_main
+
+    run_main(main)

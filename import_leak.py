@@ -36,7 +36,7 @@ import torch
 import data
 import run_infra
 import train
-from config import ArgumentParser, Config, ConfigError, resolve_device
+from config import ArgumentParser, Config, ConfigError, expanded_path, resolve_device, run_main
 from data import IGNORE_INDEX, Flags
 from model import GPT, attention_mask
 from stats import paired_effect
@@ -241,7 +241,17 @@ def sample_import_lines(
 def probe(
     model: GPT, flags: Flags, enc: tiktoken.Encoding, pairs: list[LeakPair], samples: int, device: torch.device
 ) -> dict:
-    """Both measures on these pairs, with 95% confidence intervals over pairs."""
+    """Both measures on the pairs that fit in a row with one file before B, with 95% confidence intervals
+    over pairs; a DataError when fewer than 2 fit (nothing to measure)."""
+    T = model.config.seq_len
+    fitting = [p for p in pairs if len(p.preceding[1, 0]) + len(p.context) + max(map(len, p.continuations)) <= T + 1]
+    if len(fitting) < 2:
+        shortest = min(len(p.preceding[1, 0]) + len(p.context) + max(map(len, p.continuations)) for p in pairs)
+        raise data.DataError(
+            f"{len(fitting)} of the {len(pairs)} import-leak pairs fit in a row of seq_len {T} with one file before "
+            f"B (the shortest needs {shortest - 1}): the probe needs a run with a longer seq_len"
+        )
+    pairs = fitting
     logp = import_logprob(model, flags, enc.eot_token, pairs, device)
     alone = logp[None]
     by_setting = {}
@@ -328,7 +338,9 @@ def format_table(result: dict) -> str:
 
 def main(argv: list[str]) -> int:
     parser = ArgumentParser(description=__doc__)
-    parser.add_argument("--out_dir", default="out", help="the training run's folder (holds ckpt.pt)")
+    parser.add_argument(
+        "--out_dir", default="out", type=expanded_path, help="the training run's folder (holds ckpt.pt)"
+    )
     parser.add_argument("--pairs", type=int, default=64, help="pairs (A, B) at most, from the validation split")
     parser.add_argument("--samples", type=int, default=8, help="import lines sampled per pair and condition")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -342,14 +354,13 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(format_table(result))
-    path = Path(args.out_dir) / "import_leak.json"
     try:
-        path.write_text(json.dumps(result, indent=1))
-    except OSError as e:
-        print(f"error: could not write {path} ({e.strerror})", file=sys.stderr)
+        run_infra.write_atomically(Path(args.out_dir) / "import_leak.json", json.dumps(result, indent=1))
+    except run_infra.SaveFailed as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run_main(main)

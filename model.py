@@ -241,11 +241,12 @@ class GPT(nn.Module):
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.seq_len :]
             positions = torch.arange(context.shape[1], device=idx.device).expand_as(context)
-            logits = self(context, positions, None)[:, -1].float()
+            logits = self(context, positions, None)[:, -1].double()
             if temperature == 0:
                 next_id = logits.argmax(-1, keepdim=True)
             else:
-                # shifted so the largest is 0 first: a tiny temperature then gives -inf, never inf - inf = nan
+                # shifted so the largest is 0 first: a tiny temperature then gives -inf, never inf - inf = nan;
+                # in float64, as a temperature below float32's range (1e-300) would become a division by 0
                 logits = (logits - logits.max(-1, keepdim=True).values) / temperature
                 if top_k is not None:
                     kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]

@@ -57,6 +57,10 @@ def run_folder(cfg: Config):
             raise ConfigError(
                 f"{out_dir} is in use by another run (process {e.args[0]}); wait for it or pick another out_dir"
             ) from None
+        except OSError as e:
+            raise ConfigError(
+                f"{out_dir / '.lock'} cannot serve as the run's lock ({e.strerror}): remove it (no run holds it)"
+            ) from None
         if ckpt.exists() and not cfg.resume and not cfg.overwrite:
             raise ConfigError(
                 f"{out_dir} holds a run (ckpt.pt): continue it with --resume=true, pick another out_dir, "
@@ -97,6 +101,22 @@ def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     return dist.get_rank(), world_size, device
 
 
+def agree(error: Exception | None) -> None:
+    """Raise on every process the error that any process had (None: there was none). A collective under
+    torchrun, so that an error on one process before a barrier stops them all with the same one line
+    instead of leaving the others waiting."""
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)))
+    kinds = {"ConfigError": ConfigError, "DataError": data.DataError}
+    for found in errors:
+        if found is not None:
+            raise kinds.get(found[0], ConfigError)(found[1])
+
+
 def any_process(flag: bool, device: torch.device) -> bool:
     """True on every process if it is true on any (a collective: call it on all of them)."""
     flag_tensor = torch.tensor(float(flag), device=device)
@@ -119,6 +139,24 @@ def save_checkpoint(path: Path, state: dict) -> None:
         tmp.unlink(missing_ok=True)
         reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0]
         raise SaveFailed(f"could not save the checkpoint {path} ({reason}); the previous checkpoint is kept") from None
+    except BaseException:  # a second Ctrl-C while saving: the previous checkpoint stays, nothing half-written
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write a results file through a temporary file renamed over it: an interrupt or a full disk leaves the
+    previous version (or none), never half a file; a failure is one line (SaveFailed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise SaveFailed(f"could not write {path} ({e.strerror or e})") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 CHECKPOINT_KEYS = {"model", "optimizer", "config", "model_config", "step", "data", "rng", "tokenizer_sha256"}
@@ -263,8 +301,8 @@ class MetricsLog:
         if resume_step is None:
             self.path.write_text("")
         else:  # drop what was logged after the checkpoint, so the log reads as one run
-            lines = self.path.read_text().splitlines() if self.path.exists() else []
-            self.path.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= resume_step))
+            kept = [line for line, record in self.records() if record["step"] <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
         if cfg.wandb:
             try:
                 import wandb
@@ -282,6 +320,27 @@ class MetricsLog:
                     "set WANDB_MODE=offline to log without an account",
                     file=sys.stderr,
                 )
+
+    def records(self) -> list[tuple[str, dict]]:
+        """(line, record) of each line logged so far. A last line cut short (a kill while it was written) is
+        dropped with a warning; damage anywhere else stops with one line."""
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        out = []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                    raise ValueError
+            except ValueError:
+                if number == len(lines):
+                    print(f"warning: {self.path}: its last line was cut short; dropped it", file=sys.stderr)
+                    break
+                raise ConfigError(
+                    f"{self.path}:{number} is not a metrics record: the log is damaged; move it away to resume "
+                    "with a new log"
+                ) from None
+            out.append((line, record))
+        return out
 
     def write(self, record: dict) -> None:
         if not self.enabled:

@@ -15,13 +15,15 @@ from pathlib import Path
 import torch
 
 import run_infra
-from config import MAX_SEED, ArgumentParser, ConfigError, resolve_device
+from config import MAX_SEED, ArgumentParser, ConfigError, expanded_path, resolve_device, run_main
 from data import DataError
 
 
 def main(argv: list[str]) -> int:
     parser = ArgumentParser(description=__doc__)
-    parser.add_argument("--out_dir", default="out", help="the training run's folder (holds ckpt.pt)")
+    parser.add_argument(
+        "--out_dir", default="out", type=expanded_path, help="the training run's folder (holds ckpt.pt)"
+    )
     parser.add_argument("--prompt", default="def ", help="text the samples continue; each starts a new document")
     parser.add_argument("--num_samples", type=int, default=1, help="how many samples to print")
     parser.add_argument("--max_new_tokens", type=int, default=200, help="stop after this many tokens (or at EOT)")
@@ -59,4 +61,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run_main(main)

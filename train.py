@@ -18,7 +18,7 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import data
 import run_infra
-from config import Config, ConfigError, help_text, parse_config
+from config import Config, ConfigError, help_text, parse_config, run_main
 from data import Batch, DataError, PackedBatches
 from model import GPT, GPTConfig, attention_impl, attention_mask
 from run_infra import SaveFailed
@@ -126,19 +126,24 @@ def evaluate(
     cfg: Config,
     device: torch.device,
     autocast,
+    say=None,
 ) -> dict:
     """On `val`, the fixed validation subset (whole documents):
     val_loss: packed rows under this run's packing and flags.
     val_doc_loss: every document alone from position 0 (the inference setting; the same computation for
     every run). Its loss sums and counted targets by position within the document (positions below
     seq_len) and by document are kept too, so that any band of positions, or any subset of documents,
-    can be scored from metrics.jsonl without running the model again."""
+    can be scored from metrics.jsonl without running the model again. `say`: where to print progress
+    every 10 seconds, when there is that much to do."""
     model.eval()
     common = dict(stream=val, eot_id=eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, shuffle=False)
     packed = PackedBatches(packing=cfg.packing, flags=cfg.flags, split="val", **common)
     alone = PackedBatches(packing="pad", split="val", **common)  # every fix on: the inference setting
+    n_batches = -(-len(packed.starts) // cfg.batch_size) - (-len(alone.starts) // cfg.batch_size)
+    progress = EvaluationProgress(n_batches, say)
     total, count = torch.zeros((), device=device), torch.zeros((), device=device)
     for batch in packed.all_batches():
+        progress.step()
         batch = batch.to(device)
         with autocast:
             losses, counted = token_losses(model, batch, model_config)
@@ -148,6 +153,7 @@ def evaluate(
     by_position = torch.zeros(2, cfg.seq_len, dtype=torch.float64, device=device)  # loss sum, counted targets
     by_document = torch.zeros(2, n_documents, dtype=torch.float64, device=device)
     for first_row, batch in zip(range(0, len(alone.starts), cfg.batch_size), alone.all_batches()):
+        progress.step()
         batch = batch.to(device)
         with autocast:
             losses, counted = token_losses(model, batch, model_config)
@@ -173,6 +179,22 @@ def evaluate(
     }
 
 
+class EvaluationProgress:
+    """A line every 10 seconds of a long evaluation: batches done of all, and the ETA."""
+
+    def __init__(self, batches: int, say) -> None:
+        self.total, self.done, self.say = batches, 0, say
+        self.start = self.last = time.time()
+
+    def step(self) -> None:
+        now = time.time()
+        if self.say is not None and self.done and now - self.last >= 10:
+            eta = (now - self.start) / self.done * (self.total - self.done)
+            self.say(f"eval: {self.done}/{self.total} batches, ETA {data.format_duration(eta)}", flush=True)
+            self.last = now
+        self.done += 1
+
+
 # ----------------------------------------------------------------------------------------------
 # The run
 
@@ -181,11 +203,27 @@ def train(cfg: Config) -> dict:
     """Run training as configured; returns the last evaluation (on process 0)."""
     rank, world_size, device = run_infra.setup_distributed(cfg)
     try:
-        with run_infra.run_folder(cfg) if rank == 0 else nullcontext():  # only process 0 writes to out_dir
+        with ExitStack() as held:
+            refused = None
+            if rank == 0:  # only process 0 writes to out_dir
+                try:
+                    held.enter_context(run_infra.run_folder(cfg))
+                except ConfigError as e:
+                    refused = e
+            run_infra.agree(refused)  # every process stops with process 0's error, none waits for it
             return _train(cfg, rank, world_size, device)
     finally:
         if world_size > 1:
             dist.destroy_process_group()
+
+
+def eval_token_budget(cfg: Config, world_size: int = 1) -> int:
+    """eval_tokens, with -1 (the default) made to suit the run: a quarter of the tokens trained between two
+    evaluations, within [32,768, 1,000,000] (0: every validation document)."""
+    if cfg.eval_tokens >= 0:
+        return cfg.eval_tokens
+    between = cfg.batch_size * cfg.grad_accum * cfg.seq_len * world_size * min(cfg.eval_interval, cfg.max_iters)
+    return min(1_000_000, max(32_768, between // 4))
 
 
 def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
@@ -200,13 +238,17 @@ def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dic
     # Data. A model that cannot fit is refused before the data is prepared (the vocabulary is a guess until then).
     guessed_vocab = cfg.tokenizer_vocab_size if cfg.tokenizer == "bpe" else 256
     run_infra.check_fits(model_settings(cfg, guessed_vocab), cfg.batch_size, device)
-    if world_size > 1 and not main_process:
-        dist.barrier()  # process 0 prepares the data first
-    shard_path = prepare_data(cfg, log=say)
-    if world_size > 1 and main_process:
-        dist.barrier()
+    failed = None
+    if main_process:  # process 0 prepares the data first; the others then find it
+        try:
+            shard_path = prepare_data(cfg, log=say)
+        except (ConfigError, DataError) as e:
+            failed = e
+    run_infra.agree(failed)
+    if not main_process:
+        shard_path = prepare_data(cfg, log=say)
     shards = data.load_shards(shard_path)
-    val = data.leading_documents(shards.val, shards.eot_id, cfg.eval_tokens)
+    val = data.leading_documents(shards.val, shards.eot_id, eval_token_budget(cfg, world_size))
     if checkpoint is not None and checkpoint["tokenizer_sha256"] != shards.meta["tokenizer_sha256"]:
         raise ConfigError(f"{ckpt_path} was trained with another tokenizer than the shards in {shard_path}")
     train_batches = PackedBatches(
@@ -295,7 +337,7 @@ def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dic
                 if main_process:  # the unwrapped model: a DDP forward on one process alone would hang
                     result = {
                         "step": step,
-                        **evaluate(compiled_model, model_config, val, shards.eot_id, cfg, device, autocast),
+                        **evaluate(compiled_model, model_config, val, shards.eot_id, cfg, device, autocast, say),
                     }
                     if not (math.isfinite(result["val_loss"]) and math.isfinite(result["val_doc_loss"])):
                         raise TrainingDiverged(
@@ -307,7 +349,7 @@ def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dic
                 log.evaluated(result, time.time() - t_eval)
             if stopping and not last:
                 checkpoints.save(step, model, optimizer, train_batches)
-                say(f"stopped after step {step}; resume with: python train.py {' '.join(sys.argv[1:])} --resume=true")
+                say(f"stopped after step {step}; resume with: python train.py --out_dir={cfg.out_dir} --resume=true")
                 return result
 
     # The end: a short sample from the trained model.
@@ -326,14 +368,22 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(__doc__))
         return 0
+    first_process = int(os.environ.get("RANK", "0")) == 0
+    cfg = None
     try:
-        train(parse_config(argv))
+        cfg = parse_config(argv)
+        train(cfg)
     except (ConfigError, DataError, TrainingDiverged, SaveFailed) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if first_process:
             print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one finishes the step and saves)
+        if first_process:
+            resume = f"; resume from the last checkpoint with: python train.py --out_dir={cfg.out_dir} --resume=true"
+            print(f"\ninterrupted: stopped at once{resume if cfg else ''}", file=sys.stderr)
+        return 130
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run_main(main)

@@ -1,44 +1,171 @@
-"""ablate.py end to end at a tiny size (two steps per run): the grid, the report's structure, the
-figures, and that re-running skips finished runs."""
+"""ablate.py: the study's settings, its seeds and run order, the endpoints and verdicts on known results,
+the refusal to reuse runs made with other settings, and a tiny study end to end."""
 
 import json
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import ROOT
 
 import ablate
-import stats
 from config import ConfigError
 
 
 @pytest.mark.parametrize("name", ["ablate_cpu.toml", "ablate_gpu.toml", "import_leak_cpu.toml"])
 def test_shipped_study_configs_parse(name):
-    settings, train_args = ablate.parse_args([str(ROOT / "configs" / name), "--seeds=5", "--max_iters=7"])
-    assert settings["seeds"] == 5 and "--max_iters=7" in train_args
+    study, train_args = ablate.parse_args([str(ROOT / "configs" / name), "--seeds=5", "--max_iters=7"])
+    assert study.seeds == 5 and "--max_iters=7" in train_args
+
+
+def test_the_confirmatory_study_is_the_one_preregistered():
+    study, _ = ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml")])
+    assert (study.first_seed, study.early_band, study.middle_band) == (3, [0, 16], [16, 64])
+    assert (study.margin_band, study.margin_doc_loss) == (0.02, 0.03)
+    seeds = ablate.seeds_of_cells(study)
+    assert seeds["learned", "no_mask_boundary_loss"] == list(range(3, 15)) == seeds["rope", "reference"]
+    assert len(seeds["rope", "no_reset_position_ids"]) == 2 and len(seeds["learned", "no_reset_position_ids"]) == 4
 
 
 def test_bad_study_settings_are_one_clear_error(tmp_path):
     config = tmp_path / "c.toml"
-    config.write_text("[ablate]\nseed = 3\n")
-    with pytest.raises(ConfigError, match="unknown \\[ablate\\] key"):
-        ablate.parse_args([str(config)])
-    with pytest.raises(ConfigError, match="seeds='x'"):
-        ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--seeds=x"])
-    with pytest.raises(ConfigError, match="unknown config key 'n_layers'"):
-        ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--n_layers=3"])
     for table, message in (
+        ("seed = 3", "[ablate] unknown config key 'seed' (did you mean seeds?); run 'python ablate.py --help'"),
         ('variants = ["no_doc_mask"]', "variants must include reference"),
-        ('variants = ["reference", "no_mask"]', "variants=['reference', 'no_mask']: expected a list of some of"),
-        ('pos_embs = "rope"', "pos_embs='rope': expected a list of some of learned, rope"),
-        ('import_leak = "yes"', "import_leak='yes': expected true or false"),
+        ('variants = ["reference", "no_mask"]', "variants='no_mask': choose one of reference, no_doc_mask"),
+        ("pos_embs = 5", "pos_embs=5: expected a list of str"),
+        ("import_leak = 3", "import_leak=3: expected bool"),
         ("leak_pairs = 0", "leak_pairs=0: must be at least 1"),
+        ("seeds = [1]", "seeds=[1]: expected int"),
+        ("early_band = [16, 0]", "early_band=[16, 0]: expected [first, last + 1]"),
+        ("seeds_by_variant = { padding = 3 }", "seeds_by_variant names no variant padding"),
+        ("seeds_by_variant = { pad = 0 }", "every count must be at least 1"),
+        ("margin_band = nan", "margin_band=nan: must be a finite number"),
     ):
         config.write_text(f"[ablate]\n{table}\n")
         with pytest.raises(ConfigError, match=re.escape(message)):
             ablate.parse_args([str(config)])
+    with pytest.raises(ConfigError, match="seeds='x': expected int"):
+        ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--seeds=x"])
+    with pytest.raises(ConfigError, match="unknown config key 'n_layers'"):
+        ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--n_layers=3"])
+
+
+def test_help_lists_the_study_keys(capsys):
+    assert ablate.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"--{key}=" in out for key in ablate.STUDY_KEYS)
+
+
+def test_seeds_per_cell_and_a_random_order_within_each_seed():
+    study = ablate.Study(seeds=3, seeds_by_variant={"no_mask_boundary_loss": 4}, invariance_seeds=2, first_seed=10)
+    study.validate()
+    seeds = ablate.seeds_of_cells(study)
+    assert seeds["learned", "reference"] == [10, 11, 12, 13] == seeds["rope", "reference"]  # every seed used
+    assert seeds["rope", "no_reset_position_ids"] == [10, 11] and seeds["learned", "no_reset_position_ids"] == [
+        10,
+        11,
+        12,
+    ]
+    order = ablate.run_order(seeds)
+    assert len(order) == sum(len(s) for s in seeds.values()) == len(set(order))
+    assert [s for *_, s in order] == sorted(s for *_, s in order)  # seed by seed
+    first_two = [[cell for *cell, s in order if s == seed] for seed in (10, 11)]
+    assert sorted(first_two[0]) == sorted(first_two[1]) and first_two[0] != first_two[1]  # shuffled per seed
+    assert order == ablate.run_order(seeds)  # ...the same way on a rerun
+
+
+def test_theory_says_where_nothing_can_change():
+    assert ablate.predicted_invariant("rope", "no_reset_position_ids")
+    assert not ablate.predicted_invariant("learned", "no_reset_position_ids")
+    assert ablate.probes_invariant("rope", "no_reset_position_ids") and ablate.probes_invariant("learned", "pad")
+    assert not ablate.probes_invariant("learned", "no_reset_position_ids")
+    assert not ablate.probes_invariant("rope", "no_doc_mask") and not ablate.probes_invariant("rope", "naive")
+
+
+def fake_result(early: float, middle: float, doc_loss: float, offset_effect: float = 0.0, contamination: float = 0.0):
+    """A run's result with these endpoint values: 10 documents, each scored at positions 0-63."""
+    by_position = [early] * 16 + [middle] * 48
+    return {
+        "val_doc_loss": doc_loss,
+        "val_loss": doc_loss,
+        "val_doc_loss_sum_by_position": [10 * x for x in by_position],
+        "val_doc_count_by_position": [10] * 64,
+        "offset_loss": {"1": 5.0, "32": 5.0 + offset_effect / 2, "64": 5.0 + offset_effect},
+        "after_other": 5.0 + contamination,
+        "wall_seconds": 1.0,
+        "useful_tokens_per_sec": 1000.0,
+    }
+
+
+def test_band_loss_is_token_weighted():
+    result = {"val_doc_loss_sum_by_position": [4.0, 9.0, 1.0], "val_doc_count_by_position": [2, 3, 1]}
+    assert ablate.band_loss(result, [0, 2]) == pytest.approx(13 / 5) and ablate.band_loss(result, [2, 3]) == 1.0
+
+
+def test_verdicts_on_known_results():
+    """Seeds 0-5 of each cell: noise of sd ~0.01 around a planted effect."""
+    rng = np.random.default_rng(0)
+    study = ablate.Study(variants=["reference", "no_doc_mask", "no_reset_position_ids", "no_mask_boundary_loss"])
+    runs = {}
+    for pos in ("learned", "rope"):
+        runs[pos] = {}
+        for variant, (d_early, d_doc) in {
+            "reference": (0.0, 0.0),
+            "no_doc_mask": (0.3, 0.0),  # hurts at the document start
+            "no_reset_position_ids": (0.05 if pos == "learned" else 0.0, 0.0),
+            "no_mask_boundary_loss": (0.0, 0.001),  # nothing: negligible
+        }.items():
+            runs[pos][variant] = {}
+            for seed in range(6):
+                base = 5.0 + 0.05 * seed  # the seed moves every variant alike
+                noise = 0.0 if variant == "reference" or (pos, variant) == ("rope", "no_reset_position_ids") else 1
+                e = noise * rng.normal(0, 0.01, 2)
+                leak = variant == "no_doc_mask"
+                runs[pos][variant][seed] = fake_result(
+                    base + d_early + e[0],
+                    base + e[1],
+                    base + d_doc + e[1] / 10,
+                    offset_effect=0.02 + 0.01 * rng.normal() if leak else 0.0,
+                    contamination=0.03 if leak else 0.0,
+                )
+    summary = ablate.summarise(runs, study, [1, 32, 64])
+    verdict = {key: {n: e.get("verdict") for n, e in cell["endpoints"].items()} for key, cell in summary.items()}
+    assert verdict["learned/no_doc_mask"]["early"] == verdict["rope/no_doc_mask"]["early"] == "hurts"
+    assert verdict["learned/no_reset_position_ids"]["early"] == "hurts"
+    assert verdict["learned/no_mask_boundary_loss"]["val_doc_loss"] == "negligible"
+    rope_reset = summary["rope/no_reset_position_ids"]["endpoints"]
+    assert rope_reset["early"]["role"] == "invariant" and rope_reset["early"]["bitwise"]
+    assert verdict["rope/no_reset_position_ids"]["early"] == "invariant"
+    # the probes: invariant under the mask, measured (secondary, a bound) without it
+    assert summary["learned/reference"]["endpoints"]["contamination"]["verdict"] == "invariant"
+    contamination = summary["learned/no_doc_mask"]["endpoints"]["contamination"]
+    assert contamination["role"] == "secondary" and contamination["estimate"] == pytest.approx(0.03)
+    assert "verdict" not in contamination and contamination["bound"] >= 0.03
+    primary = [e for c in summary.values() for e in c["endpoints"].values() if e.get("role") == "primary"]
+    assert len(primary) == 5 and all(e["p_difference_holm"] >= e["p_difference"] for e in primary)
+    # a noisy cell with too few seeds stays unresolved
+    for seed in range(6):
+        runs["learned"]["no_mask_boundary_loss"][seed]["val_doc_loss"] += [0.1, -0.1, 0.05, 0.0, -0.02, 0.08][seed]
+    noisy = ablate.summarise(runs, study, [1, 32, 64])["learned/no_mask_boundary_loss"]["endpoints"]["val_doc_loss"]
+    assert noisy["verdict"] == "unresolved"
+
+
+def test_a_run_folder_of_other_settings_is_refused(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    decided = {"config": {"max_iters": 150, "eval_tokens": 0}, "shards": "stdlib-bpe4096-0e077582", "probes": {}}
+    ablate.check_reusable(run, decided)  # nothing there yet
+    (run / "study_run.json").write_text(json.dumps({"decided_by": decided}))
+    ablate.check_reusable(run, json.loads(json.dumps(decided)))  # the same settings, through JSON
+    changed = {**decided, "config": {"max_iters": 300, "eval_tokens": 0}}
+    with pytest.raises(ConfigError, match=re.escape("other settings than this study's (config.max_iters)")):
+        ablate.check_reusable(run, changed)
+    (run / "result.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="result.json is damaged"):
+        ablate.check_reusable(run, decided)
 
 
 @pytest.mark.slow
@@ -48,7 +175,7 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
         f'dataset = "{tiny_corpus}"\ndata_dir = "{tmp_path / "data"}"\ntokenizer_vocab_size = 320\nseq_len = 64\n'
         "n_layer = 1\nn_head = 2\nn_embd = 32\nbatch_size = 4\nmax_iters = 2\neval_interval = 1\neval_tokens = 512\n"
         f'log_interval = 1\nwarmup_iters = 1\n[ablate]\nseeds = 2\nout_dir = "{tmp_path / "study"}"\n'
-        "probe_docs = 8\nprobe_offsets = [16]\n"
+        "probe_docs = 8\nprobe_offsets = [16]\nseeds_by_variant = { no_mask_boundary_loss = 3 }\n"
     )
     result = subprocess.run(
         [sys.executable, "ablate.py", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=900
@@ -56,65 +183,37 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     study = tmp_path / "study"
     report = json.loads((study / "results.json").read_text())
-    summary = report["summary"]
-    variants = [
-        "reference",
-        "no_doc_mask",
-        "no_reset_position_ids",
-        "no_mask_boundary_loss",
-        "naive",
-        "pad",
-        "pad_equal_compute",
-    ]
-    assert sorted(summary) == sorted(f"{p}/{v}" for p in ("learned", "rope") for v in variants)
-    for entry in summary.values():
-        assert entry["seeds"] == 2
-        assert {
-            "val_doc_loss",
-            "delta_val_doc_loss",
-            "val_loss",
-            "offset_0",
-            "offset_16",
-            "offset_32",
-            "contamination",
-            "wall_seconds",
-            "useful_tokens_per_sec",
-            "delta_val_doc_loss_ci95",
-            "delta_val_doc_loss_verdict",
-            "offset_effect_verdict",
-            "contamination_verdict",
-        } <= entry.keys()
-        assert all(len(entry[m]) == 2 for m in ("val_doc_loss", "offset_32"))  # mean and spread
-    assert summary["learned/reference"]["delta_val_doc_loss"] == [0.0, 0.0]
-    # with the document mask and position reset, other documents before a document change nothing
-    for pos in ("learned", "rope"):
-        ref = report["runs"][pos]["reference"]["0"]
-        assert abs(ref["offset_loss"]["32"] - ref["offset_loss"]["0"]) < 1e-4 and abs(ref["contamination"]) < 1e-4
-    naive = report["runs"]["learned"]["naive"]["0"]
-    assert abs(naive["offset_loss"]["32"] - naive["offset_loss"]["0"]) > 1e-4  # ...while naive packing leaks
-    # pad runs see as many real tokens as packed runs: more steps; pad_equal_compute as many steps
-    assert report["runs"]["rope"]["pad"]["0"]["steps"] > report["runs"]["rope"]["reference"]["0"]["steps"]
-    assert (
-        report["runs"]["rope"]["pad_equal_compute"]["0"]["steps"] == report["runs"]["rope"]["reference"]["0"]["steps"]
-    )
-    assert summary["rope/reference"]["contamination_verdict"] == "no effect"  # exactly 0 with the mask
+    summary, runs = report["summary"], report["runs"]
+    assert sorted(summary) == sorted(f"{p}/{v}" for p in ablate.POSITION_KINDS for v in ablate.VARIANTS)
+    assert summary["learned/reference"]["seeds"] == [0, 1, 2] and summary["learned/naive"]["seeds"] == [0, 1]
+    assert summary["rope/no_reset_position_ids"]["seeds"] == [0, 1]
+    for key, cell in summary.items():
+        variant = key.split("/")[1]
+        if variant != "reference":
+            entry = cell["endpoints"][ablate.PRIMARY_ENDPOINT[variant]]
+            assert entry["verdict"] in ("hurts", "helps", "negligible", "unresolved", "invariant")
+    # with the document mask and position reset, what precedes a document changes nothing...
+    for pos in ablate.POSITION_KINDS:
+        contamination = summary[f"{pos}/reference"]["endpoints"]["contamination"]
+        assert contamination["verdict"] == "invariant" and contamination["max_abs_difference"] < 1e-4
+    # ...while naive packing lets it in
+    naive = runs["learned"]["naive"]["0"]
+    assert abs(naive["offset_loss"]["32"] - naive["offset_loss"]["1"]) > 1e-4
+    assert runs["rope"]["pad"]["0"]["steps"] >= runs["rope"]["reference"]["0"]["steps"]
+    assert runs["rope"]["pad_equal_compute"]["0"]["steps"] == runs["rope"]["reference"]["0"]["steps"]
+    assert report["regime"]["documents_per_row"] > 1
     markdown = (study / "results.md").read_text()
-    assert markdown.count("\n| learned/") == 7 and markdown.count("\n| rope/") == 7 and "hardware:" in markdown
-    assert "| variant | val_doc_loss | Δ ref | verdict |" in markdown and markdown in result.stdout
-    for figure in ("val_loss.png", "loss_by_position.png", "offset_probe.png"):
+    assert "## Pre-registered endpoints and decision rules" in markdown and "hardware:" in markdown
+    assert markdown.count("\n| learned | ") == 6 and markdown.count("\n| rope | ") == 6 and markdown in result.stdout
+    for figure in ("effects.png", "loss_by_position.png", "offset_probe.png"):
         assert (study / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = subprocess.run(
         [sys.executable, "ablate.py", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
-    assert again.returncode == 0 and again.stdout.count("(finished before: skipped)") == 28
-
-
-def test_confidence_interval_and_verdicts():
-    low, high = stats.confidence_interval([1.0, 2.0, 3.0])  # mean 2, sd 1, t(2) = 4.303
-    assert low == pytest.approx(2 - 4.303 / 3**0.5) and high == pytest.approx(2 + 4.303 / 3**0.5)
-    assert stats.confidence_interval([0.5]) == (float("-inf"), float("inf"))
-    assert stats.verdict(stats.confidence_interval([0.03, 0.04, 0.035])) == "hurts"
-    assert stats.verdict(stats.confidence_interval([-0.03, -0.04, -0.035])) == "helps"
-    assert stats.verdict(stats.confidence_interval([0.001, -0.002, 0.0, 0.001])) == "no effect"
-    assert stats.verdict(stats.confidence_interval([0.03, -0.04, 0.01])) == "unresolved"
-    assert stats.verdict(stats.confidence_interval([0.5])) == "unresolved"
+    assert again.returncode == 0 and again.stdout.count("(finished before: skipped)") == len(
+        ablate.run_order(ablate.seeds_of_cells(ablate.parse_args([str(config)])[0]))
+    )
+    changed = subprocess.run(
+        [sys.executable, "ablate.py", str(config), "--eval_tokens=256"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert changed.returncode == 1 and "config.eval_tokens" in changed.stderr and "step" not in changed.stdout

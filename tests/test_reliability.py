@@ -446,11 +446,11 @@ def test_a_dataset_folder_that_holds_the_runs_outputs_skips_them(tmp_path, monke
 @pytest.mark.parametrize(
     "table, message",
     [
-        ("seeds = [1]", "seeds=[1]: expected a whole number of seeds"),
-        ("probe_offsets = 8", "probe_offsets=8: expected a list of token counts"),
-        ('probe_offsets = ["a"]', "probe_offsets=['a']: expected a list of token counts"),
-        ("out_dir = 5", "out_dir=5: expected a folder name"),
-        ('out_dir = ""', "out_dir='': expected a folder name"),
+        ("seeds = [1]", "seeds=[1]: expected int"),
+        ("probe_offsets = 8", "probe_offsets=8: expected a list of int"),
+        ('probe_offsets = ["a"]', "probe_offsets='a': expected int"),
+        ("out_dir = []", "out_dir=[]: expected str"),
+        ('out_dir = ""', "out_dir is empty"),
         ("probe_docs = 0", "probe_docs=0: must be at least 1"),
     ],
 )

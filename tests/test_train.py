@@ -104,6 +104,37 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
     assert train.lr_at(60, cfg) == pytest.approx(0.55) and train.lr_at(110, cfg) == pytest.approx(0.1)
 
 
+def test_evaluation_keeps_loss_sums_by_document_and_by_position():
+    """The per-document sums are each document's own loss alone (chunked at seq_len, every chunk from
+    position 0), and the per-position counts count the first chunk's targets at each position."""
+    import numpy as np
+
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    T, eot = 16, 63
+    model = GPT(GPTConfig(vocab_size=64, seq_len=T, n_layer=1, n_head=2, n_embd=16)).eval()
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(0, eot, n), eot) for n in (5, 40, 2)]  # the second spans three chunks
+    val = np.concatenate(docs)
+    cpu, fp32 = torch.device("cpu"), torch.autocast("cpu", enabled=False)
+    result = train.evaluate(model, model.config, val, eot, Config(seq_len=T, batch_size=2), cpu, fp32)
+    expected_sums = []
+    for doc in docs:
+        total = 0.0
+        for start in range(0, len(doc) - 1, T):  # chunks of T inputs, each from position 0
+            chunk = torch.from_numpy(doc[start : start + T + 1]).long()[None]
+            positions = torch.arange(chunk.shape[1] - 1)[None]
+            with torch.no_grad():
+                total += model(chunk[:, :-1], positions, None, chunk[:, 1:]).sum().item()
+        expected_sums.append(total)
+    assert result["val_doc_count_by_document"] == [5, 40, 2]
+    assert result["val_doc_loss_sum_by_document"] == pytest.approx(expected_sums, abs=1e-3)
+    assert result["val_doc_count_by_position"] == [3, 3] + [2] * 3 + [1] * (T - 5)
+    assert sum(result["val_doc_count_by_position"]) == 2 + 5 + T  # later chunks are not at positions < T
+    assert result["val_doc_loss"] == pytest.approx(sum(expected_sums) / 47, rel=1e-5)
+
+
 # ---- training runs
 
 
@@ -129,7 +160,7 @@ def test_short_run_learns_writes_metrics_and_checkpoint(tiny_corpus, tmp_path):
     assert losses[-1] < losses[0] - 1.0
     assert [e["step"] for e in evals] == [20, 40] and evals[1]["val_doc_loss"] < evals[0]["val_doc_loss"]
     assert result["val_doc_loss"] == evals[-1]["val_doc_loss"]
-    assert len(evals[-1]["val_doc_loss_by_position"]) > 10
+    assert len(evals[-1]["val_doc_count_by_position"]) > 10
     assert all({"step", "train_loss", "lr", "tokens_per_sec"} <= r.keys() for r in records if "train_loss" in r)
     assert json.loads((out / "config.json").read_text())["max_iters"] == 40
     state = torch.load(out / "ckpt.pt", weights_only=False)

@@ -1,0 +1,100 @@
+"""stats.py against known cases: Student's t (closed forms and table values), paired effects, the
+difference and equivalence tests, Holm's correction, the verdicts, and their error rates by simulation."""
+
+import math
+
+import numpy as np
+import pytest
+
+import stats
+
+
+def test_incomplete_beta_matches_the_binomial_tail():
+    # I_x(a, n - a + 1) = P(Binomial(n, x) >= a) for whole a
+    for n, a, x in ((4, 2, 0.4), (10, 3, 0.25), (20, 15, 0.7), (7, 7, 0.9)):
+        tail = sum(math.comb(n, j) * x**j * (1 - x) ** (n - j) for j in range(a, n + 1))
+        assert stats.regularized_incomplete_beta(a, n - a + 1, x) == pytest.approx(tail, rel=1e-12)
+
+
+def test_t_distribution_closed_forms_and_table_values():
+    for t in (-3.0, -0.5, 0.0, 0.7, 2.0, 10.0):
+        assert stats.t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-12)  # Cauchy
+        assert stats.t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(2 + t * t)), abs=1e-12)
+    # two-sided 95% and one-sided 95% quantiles from standard tables
+    for df, q975, q95 in (
+        (1, 12.706, 6.314),
+        (2, 4.303, 2.920),
+        (5, 2.571, 2.015),
+        (10, 2.228, 1.812),
+        (30, 2.042, 1.697),
+    ):
+        assert stats.t_quantile(0.975, df) == pytest.approx(q975, abs=1e-3)
+        assert stats.t_quantile(0.95, df) == pytest.approx(q95, abs=1e-3)
+    assert stats.t_quantile(0.975, 10**6) == pytest.approx(1.95996, abs=1e-4)  # the normal limit
+    assert stats.t_quantile(0.025, 4) == pytest.approx(-stats.t_quantile(0.975, 4))
+    with pytest.raises(ValueError):
+        stats.t_quantile(1.0, 3)
+
+
+def test_paired_effect_interval_and_difference_test():
+    effect = stats.paired_effect([1.5, 2.5, 3.5], reference=[0.5, 0.5, 0.5])  # differences 1, 2, 3
+    assert (effect.estimate, effect.df) == (2.0, 2) and effect.se == pytest.approx(1 / math.sqrt(3))
+    low, high = effect.interval(0.95)
+    assert low == pytest.approx(2 - 4.3027 / math.sqrt(3), abs=1e-4) and high == pytest.approx(
+        2 + 4.3027 / math.sqrt(3), abs=1e-4
+    )
+    # t = 2 sqrt(3) on 2 df: two-sided p = 1 - t / sqrt(2 + t^2)
+    t = 2 * math.sqrt(3)
+    assert effect.p_difference() == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-9)
+    assert stats.paired_effect([0.3]).interval(0.95) == (-math.inf, math.inf)
+    assert stats.paired_effect([0.3]).p_difference() == 1.0
+
+
+@pytest.mark.parametrize(
+    "diffs", [[0.001, 0.004, -0.002, 0.003], [0.012, 0.019, 0.015], [-0.01, 0.03, 0.0, 0.02, 0.01]]
+)
+@pytest.mark.parametrize("margin", [0.01, 0.02, 0.05])
+def test_equivalence_rejects_exactly_when_the_90_percent_interval_is_within_the_margin(diffs, margin):
+    effect = stats.paired_effect(diffs)
+    low, high = effect.interval(0.90)
+    assert (effect.p_equivalence(margin) < 0.05) == (-margin < low and high < margin)
+    assert effect.bound() == pytest.approx(max(abs(low), abs(high)))
+
+
+def test_holm_adjusts_step_down_and_keeps_the_order():
+    adjusted = stats.holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.005})
+    assert adjusted == pytest.approx({"d": 0.02, "a": 0.03, "c": 0.06, "b": 0.06})
+    assert stats.holm({"x": 0.6, "y": 0.7}) == pytest.approx({"x": 1.0, "y": 1.0})  # capped at 1
+
+
+def test_verdicts():
+    up, down = stats.Effect(0.2, 0.01, 5), stats.Effect(-0.2, 0.01, 5)
+    assert stats.primary_verdict(up, 0.001, 1.0) == "hurts"
+    assert stats.primary_verdict(down, 0.001, 1.0) == "helps"
+    assert stats.primary_verdict(stats.Effect(0.001, 0.001, 5), 0.5, 0.001) == "negligible"
+    assert stats.primary_verdict(stats.Effect(0.01, 0.02, 5), 0.3, 0.2) == "unresolved"
+    assert stats.invariance([1.0, 2.0], [1.0, 2.0], 1e-4) == ("invariant", 0.0, True)
+    verdict, worst, bitwise = stats.invariance([1.0, 2.00005], [1.0, 2.0], 1e-4)
+    assert verdict == "invariant" and worst == pytest.approx(5e-5) and not bitwise
+    assert stats.invariance([0.1, 0.0], None, 1e-4)[0] == "not invariant"
+
+
+def simulated_verdicts(true_effect: float, margin: float, n_seeds: int, sd: float, trials: int = 3000) -> dict:
+    rng = np.random.default_rng(0)
+    counts: dict = {}
+    for _ in range(trials):
+        effect = stats.paired_effect(list(rng.normal(true_effect, sd, n_seeds)))
+        verdict = stats.primary_verdict(effect, effect.p_difference(), effect.p_equivalence(margin))
+        counts[verdict] = counts.get(verdict, 0) + 1
+    return {k: v / trials for k, v in counts.items()}
+
+
+def test_the_tests_keep_their_error_rates():
+    """A single test (no correction) at level 0.05: "hurts"/"helps" for a null effect, and "negligible" for
+    an effect at the margin, each about 5% of the time; a large effect is found."""
+    null = simulated_verdicts(0.0, margin=0.01, n_seeds=6, sd=0.02)
+    assert null.get("hurts", 0) + null.get("helps", 0) < 0.065
+    at_margin = simulated_verdicts(0.03, margin=0.03, n_seeds=12, sd=0.01)
+    assert at_margin.get("negligible", 0) < 0.065
+    large = simulated_verdicts(0.1, margin=0.02, n_seeds=5, sd=0.02)
+    assert large.get("hurts", 0) > 0.99
