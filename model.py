@@ -2,7 +2,7 @@
 learned-absolute or rotary positions taken from explicit position ids.
 
 All attention masking lives in one place, `attention_mask`: the caller builds it once per batch from
-the document ids and passes it to the forward, where every layer shares it.
+the document ids (and the batch's doc_mask flag) and passes it to the forward, where every layer shares it.
   - doc_mask on, CUDA:  a FlexAttention BlockMask (block-sparse: tiles between documents are skipped)
   - doc_mask on, CPU:   a dense boolean mask for SDPA (FlexAttention has no backward on CPU)
   - doc_mask off:       None, meaning plain causal attention (SDPA is_causal) across documents
@@ -37,7 +37,6 @@ class GPTConfig:
     dropout: float = 0.0
     pos_emb: str = "learned"  # "learned" | "rope"
     rope_base: float = 10000.0
-    doc_mask: bool = True
     attn_impl: str = "auto"  # "auto" (flex on CUDA, sdpa elsewhere) | "flex" | "sdpa"
 
 
@@ -74,25 +73,25 @@ compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 AttentionMask = BlockMask | torch.Tensor | None
 
 # FlexAttention kernel_options on CUDA. Empty: PyTorch's defaults, which none of the settings timed on an
-# H200 beat (README, experiment log). `python bench.py --flex_kernel_options=...` times others.
+# H200 beat (README, experiment log). `python -m studies.bench --flex_kernel_options=...` times others.
 FLEX_KERNEL_OPTIONS: dict = {}
 
 
-def attention_impl(config: GPTConfig, device: torch.device) -> str:
+def attention_impl(doc_mask: bool, attn_impl: str, device: torch.device) -> str:
     """'flex' or 'sdpa': the one place that decides. The document mask is a FlexAttention BlockMask on
     CUDA (auto) or when asked for; SDPA computes everything else: plain causal attention, and the document
     mask as a dense boolean mask on CPU, where FlexAttention has no backward."""
-    if config.doc_mask and (config.attn_impl == "flex" or (config.attn_impl == "auto" and device.type == "cuda")):
+    if doc_mask and (attn_impl == "flex" or (attn_impl == "auto" and device.type == "cuda")):
         return "flex"
     return "sdpa"
 
 
-def attention_mask(doc_ids: torch.Tensor, config: GPTConfig) -> AttentionMask:
+def attention_mask(doc_ids: torch.Tensor, doc_mask: bool, attn_impl: str = "auto") -> AttentionMask:
     """The doc_mask flag: its whole effect is this function. Call it once per batch, outside the
     compiled model, and pass the result to GPT.forward."""
-    if not config.doc_mask:
+    if not doc_mask:
         return None
-    if attention_impl(config, doc_ids.device) == "flex":
+    if attention_impl(doc_mask, attn_impl, doc_ids.device) == "flex":
         return document_causal_block_mask(doc_ids)
     return document_causal_dense(doc_ids)
 

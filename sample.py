@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-import run_infra
+import run_folder
 from config import MAX_SEED, ArgumentParser, ConfigError, expanded_path, resolve_device, run_main
 from data import DataError
 
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
 
     try:
         device = resolve_device(args.device)
-        model, enc, state = run_infra.load_run(Path(args.out_dir), device, attn_impl="sdpa")  # one document: no mask
+        model, enc, state = run_folder.load_run(Path(args.out_dir), device, attn_impl="sdpa")  # one document: no mask
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -7,7 +7,7 @@
 Every setting is a field of `Config` in config.py, with its default and help text (`--help` lists them).
 The resolved config is saved to out_dir/config.json; metrics go to out_dir/metrics.jsonl; the checkpoint
 to out_dir/ckpt.pt. This file is the recipe, top to bottom: data, model, optimizer, loss, evaluation, then
-the run itself; run_infra.py holds what makes a run safe to stop, resume and share.
+the run itself; run_folder.py holds what makes a run safe to stop, resume and share.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import data
-import run_infra
+import run_folder
 from config import Config, ConfigError, help_text, parse_config, run_main
 from data import Batch, DataError, PackedBatches
 from model import GPT, GPTConfig, attention_impl, attention_mask
-from run_infra import SaveFailed
+from prepare import prepare_for
+from run_folder import SaveFailed
 
 
 class TrainingDiverged(Exception):
@@ -42,26 +43,19 @@ class TrainingDiverged(Exception):
 # Data, model, optimizer
 
 
-def prepare_data(cfg: Config, log=print) -> Path:
-    """The run's shards, prepared first if needed (the run's own folders are never read as corpus)."""
-    settings = data.PrepareSettings(
-        tokenizer=cfg.tokenizer,
-        vocab_size=cfg.tokenizer_vocab_size,
-        val_fraction=cfg.val_fraction,
-        seed=cfg.data_seed,
-        text_field=cfg.text_field,
-        tokenizer_train_mb=cfg.tokenizer_train_mb,
-    )
-    return data.prepare(cfg.dataset, cfg.data_dir, settings, exclude=(Path(cfg.data_dir), Path(cfg.out_dir)), log=log)
-
-
 def model_settings(cfg: Config, vocab_size: int) -> GPTConfig:
     same_names = ("seq_len", "n_layer", "n_head", "n_embd", "dropout", "pos_emb", "attn_impl")
     return GPTConfig(
         vocab_size=math.ceil(vocab_size / 64) * 64,  # a multiple of 64 is faster on GPU
-        doc_mask=cfg.flags.doc_mask,
         **{name: getattr(cfg, name) for name in same_names},
     )
+
+
+def autocast(device: torch.device, dtype: str = "auto"):
+    """The compute precision: bfloat16 autocast on CUDA (dtype auto), float32 elsewhere. The one place."""
+    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -87,13 +81,13 @@ def token_losses(model: torch.nn.Module, batch: Batch, config: GPTConfig) -> tup
     """Each token's cross-entropy (B, T), 0 where the target does not count, and which targets count
     (B, T bool). The one loss of this repo: training sums it; evaluation and the ablation probes also read
     it by position. The attention mask is built here, once per batch and outside the (compiled) model,
-    from the batch's document ids."""
-    mask = attention_mask(batch.doc_ids, config)
+    from the batch's document ids and its doc_mask flag."""
+    mask = attention_mask(batch.doc_ids, batch.doc_mask, config.attn_impl)
     return model(batch.inputs, batch.position_ids, mask, batch.targets), batch.counted
 
 
 def accumulate_gradients(
-    model: torch.nn.Module, micro_batches: list[Batch], autocast, config: GPTConfig
+    model: torch.nn.Module, micro_batches: list[Batch], precision, config: GPTConfig
 ) -> torch.Tensor:
     """Backward over all micro-batches of one step; returns the step's mean loss. The loss is normalised
     by the counted targets of the whole step (on every process), so every target weighs the same
@@ -108,7 +102,7 @@ def accumulate_gradients(
         last = i == len(micro_batches) - 1
         # DDP averages gradients over processes at the last backward; the others skip that all-reduce
         with nullcontext() if last or world_size == 1 else model.no_sync():
-            with autocast:
+            with precision:
                 loss = token_losses(model, batch, config)[0].sum() / n_counted
             (loss * world_size).backward()  # undo DDP's average: the loss is already a global mean
         total += loss.detach()
@@ -125,27 +119,27 @@ def evaluate(
     eot_id: int,
     cfg: Config,
     device: torch.device,
-    autocast,
-    say=None,
+    precision,
+    print_progress=None,
 ) -> dict:
     """On `val`, the fixed validation subset (whole documents):
     val_loss: packed rows under this run's packing and flags.
     val_doc_loss: every document alone from position 0 (the inference setting; the same computation for
     every run). Its loss sums and counted targets by position within the document (positions below
     seq_len) and by document are kept too, so that any band of positions, or any subset of documents,
-    can be scored from metrics.jsonl without running the model again. `say`: where to print progress
+    can be scored from metrics.jsonl without running the model again. `print_progress`: where to print progress
     every 10 seconds, when there is that much to do."""
     model.eval()
     common = dict(stream=val, eot_id=eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, shuffle=False)
     packed = PackedBatches(packing=cfg.packing, flags=cfg.flags, split="val", **common)
     alone = PackedBatches(packing="pad", split="val", **common)  # every fix on: the inference setting
     n_batches = -(-len(packed.starts) // cfg.batch_size) - (-len(alone.starts) // cfg.batch_size)
-    progress = EvaluationProgress(n_batches, say)
+    progress = EvaluationProgress(n_batches, print_progress)
     total, count = torch.zeros((), device=device), torch.zeros((), device=device)
     for batch in packed.all_batches():
         progress.step()
         batch = batch.to(device)
-        with autocast:
+        with precision:
             losses, counted = token_losses(model, batch, model_config)
         total, count = total + losses.sum(), count + counted.sum()
     document_of_row = torch.from_numpy(np.cumsum(alone.offsets == 0) - 1).to(device)  # a long document has several
@@ -155,7 +149,7 @@ def evaluate(
     for first_row, batch in zip(range(0, len(alone.starts), cfg.batch_size), alone.all_batches()):
         progress.step()
         batch = batch.to(device)
-        with autocast:
+        with precision:
             losses, counted = token_losses(model, batch, model_config)
         rows = document_of_row[first_row : first_row + cfg.batch_size]
         real = slice(0, len(rows))  # the last batch is filled up with empty rows
@@ -182,15 +176,15 @@ def evaluate(
 class EvaluationProgress:
     """A line every 10 seconds of a long evaluation: batches done of all, and the ETA."""
 
-    def __init__(self, batches: int, say) -> None:
-        self.total, self.done, self.say = batches, 0, say
+    def __init__(self, batches: int, print_progress) -> None:
+        self.total, self.done, self.print = batches, 0, print_progress
         self.start = self.last = time.time()
 
     def step(self) -> None:
         now = time.time()
-        if self.say is not None and self.done and now - self.last >= 10:
+        if self.print is not None and self.done and now - self.last >= 10:
             eta = (now - self.start) / self.done * (self.total - self.done)
-            self.say(f"eval: {self.done}/{self.total} batches, ETA {data.format_duration(eta)}", flush=True)
+            self.print(f"eval: {self.done}/{self.total} batches, ETA {run_folder.format_duration(eta)}", flush=True)
             self.last = now
         self.done += 1
 
@@ -201,17 +195,17 @@ class EvaluationProgress:
 
 def train(cfg: Config) -> dict:
     """Run training as configured; returns the last evaluation (on process 0)."""
-    rank, world_size, device = run_infra.setup_distributed(cfg)
+    rank, world_size, device = run_folder.setup_distributed(cfg)
     try:
         with ExitStack() as held:
             refused = None
             if rank == 0:  # only process 0 writes to out_dir
                 try:
-                    held.enter_context(run_infra.run_folder(cfg))
+                    held.enter_context(run_folder.hold(cfg))
                 except ConfigError as e:
                     refused = e
-            run_infra.agree(refused)  # every process stops with process 0's error, none waits for it
-            return _train(cfg, rank, world_size, device)
+            run_folder.agree(refused)  # every process stops with process 0's error, none waits for it
+            return fit(cfg, rank, world_size, device)
     finally:
         if world_size > 1:
             dist.destroy_process_group()
@@ -226,27 +220,30 @@ def eval_token_budget(cfg: Config, world_size: int = 1) -> int:
     return min(1_000_000, max(32_768, between // 4))
 
 
-def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
+def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
+    """The run on this process: data, model and optimizer (from the checkpoint when resuming), the loop."""
     main_process = rank == 0  # the only one that prints, logs, evaluates and writes checkpoints
-    say = print if main_process else (lambda *args, **kwargs: None)
+    print0 = print if main_process else (lambda *args, **kwargs: None)
     out_dir = Path(cfg.out_dir)
     ckpt_path = out_dir / "ckpt.pt"
-    checkpoint = run_infra.load_checkpoint(ckpt_path, cfg, world_size) if cfg.resume else None
+    checkpoint = run_folder.load_checkpoint(ckpt_path, cfg, world_size) if cfg.resume else None
     if cfg.packing == "pad" and cfg.flags != data.Flags():
-        say("warning: with packing=pad each row holds one document, so the three flags change nothing", file=sys.stderr)
+        print0(
+            "warning: with packing=pad each row holds one document, so the three flags change nothing", file=sys.stderr
+        )
 
     # Data. A model that cannot fit is refused before the data is prepared (the vocabulary is a guess until then).
     guessed_vocab = cfg.tokenizer_vocab_size if cfg.tokenizer == "bpe" else 256
-    run_infra.check_fits(model_settings(cfg, guessed_vocab), cfg.batch_size, device)
+    run_folder.check_fits(model_settings(cfg, guessed_vocab), cfg.batch_size, device)
     failed = None
     if main_process:  # process 0 prepares the data first; the others then find it
         try:
-            shard_path = prepare_data(cfg, log=say)
+            shard_path = prepare_for(cfg, log=print0)
         except (ConfigError, DataError) as e:
             failed = e
-    run_infra.agree(failed)
+    run_folder.agree(failed)
     if not main_process:
-        shard_path = prepare_data(cfg, log=say)
+        shard_path = prepare_for(cfg, log=print0)
     shards = data.load_shards(shard_path)
     val = data.leading_documents(shards.val, shards.eot_id, eval_token_budget(cfg, world_size))
     if checkpoint is not None and checkpoint["tokenizer_sha256"] != shards.meta["tokenizer_sha256"]:
@@ -268,7 +265,7 @@ def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dic
     # Model and optimizer, from the checkpoint when resuming.
     torch.manual_seed(cfg.seed)
     model_config = model_settings(cfg, shards.vocab_size)
-    run_infra.check_fits(model_config, cfg.batch_size, device)
+    run_folder.check_fits(model_config, cfg.batch_size, device)
     model = GPT(model_config).to(device)
     if world_size > 1:
         torch.manual_seed(cfg.seed + rank)  # the same init everywhere, different dropout masks per process
@@ -278,42 +275,44 @@ def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dic
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         train_batches.load_state_dict(checkpoint["data"])
-        run_infra.set_rng_states(checkpoint["rng"][rank])
+        run_folder.set_rng_states(checkpoint["rng"][rank])
         start_step = checkpoint["step"]
-    compiled_model = torch.compile(model) if cfg.compile else model  # evaluation runs this one
-    step_model = compiled_model  # training runs this one: under DDP, wrapped to average gradients
+    # Three handles on one set of weights: `model` is saved, clipped and sampled from; `fast_model` (compiled
+    # when asked) evaluates; `training_model` trains, wrapped under torchrun to average gradients.
+    fast_model = torch.compile(model) if cfg.compile else model
+    training_model = fast_model
     if world_size > 1:
         ddp_devices = [device.index] if device.type == "cuda" else None
-        step_model = DistributedDataParallel(compiled_model, device_ids=ddp_devices, broadcast_buffers=False)
-    use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+        training_model = DistributedDataParallel(fast_model, device_ids=ddp_devices, broadcast_buffers=False)
+    precision = autocast(device, cfg.dtype)
 
     if main_process:
         (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    log = run_infra.MetricsLog(out_dir, cfg, start_step if checkpoint else None, world_size, enabled=main_process)
-    checkpoints = run_infra.Checkpointer(cfg, model_config, shard_path, shards)
-    say(
+    log = run_folder.MetricsLog(out_dir, cfg, start_step if checkpoint else None, world_size, enabled=main_process)
+    checkpoints = run_folder.Checkpointer(cfg, model_config, shard_path, shards)
+    print0(
         f"model: {model.num_params() / 1e6:.2f}M parameters, pos_emb={cfg.pos_emb}, device={device}, "
-        f"attention={attention_impl(model_config, device)}" + (f", {world_size} processes" if world_size > 1 else "")
+        f"attention={attention_impl(cfg.doc_mask, cfg.attn_impl, device)}"
+        + (f", {world_size} processes" if world_size > 1 else "")
     )
-    say(
+    print0(
         f"run: {cfg.max_iters} steps of {log.tokens_per_step:,} tokens, packing={cfg.packing}, "
         f"doc_mask={cfg.doc_mask}, reset_position_ids={cfg.reset_position_ids}, "
         f"mask_boundary_loss={cfg.mask_boundary_loss}" + (f", resuming after step {start_step}" if checkpoint else "")
     )
     n_val_docs = len(data.eot_positions(val, shards.eot_id))
-    say(f"eval: {len(val):,} validation tokens ({n_val_docs:,} documents) per evaluation")
+    print0(f"eval: {len(val):,} validation tokens ({n_val_docs:,} documents) per evaluation")
 
     # The loop. The loss stays on the device between log steps: checking it every step would wait for the GPU.
     result: dict = {}
     nonfinite = torch.zeros((), dtype=torch.bool, device=device)
-    with run_infra.StopRequest() as stop, log:
+    with run_folder.StopRequest() as stop, log:
         for step in range(start_step + 1, cfg.max_iters + 1):
             lr = lr_at(step - 1, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             micro_batches = [train_batches.next().to(device) for _ in range(cfg.grad_accum)]
-            loss = accumulate_gradients(step_model, micro_batches, autocast, model_config)
+            loss = accumulate_gradients(training_model, micro_batches, precision, model_config)
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
@@ -337,7 +336,7 @@ def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dic
                 if main_process:  # the unwrapped model: a DDP forward on one process alone would hang
                     result = {
                         "step": step,
-                        **evaluate(compiled_model, model_config, val, shards.eot_id, cfg, device, autocast, say),
+                        **evaluate(fast_model, model_config, val, shards.eot_id, cfg, device, precision, print0),
                     }
                     if not (math.isfinite(result["val_loss"]) and math.isfinite(result["val_doc_loss"])):
                         raise TrainingDiverged(
@@ -349,18 +348,18 @@ def _train(cfg: Config, rank: int, world_size: int, device: torch.device) -> dic
                 log.evaluated(result, time.time() - t_eval)
             if stopping and not last:
                 checkpoints.save(step, model, optimizer, train_batches)
-                say(f"stopped after step {step}; resume with: python train.py --out_dir={cfg.out_dir} --resume=true")
+                print0(f"stopped after step {step}; resume with: python train.py --out_dir={cfg.out_dir} --resume=true")
                 return result
 
     # The end: a short sample from the trained model.
     if main_process and cfg.sample_prompt and cfg.sample_tokens and result:
         enc = data.load_tokenizer(shard_path)
         prompt = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
-        with autocast:
+        with precision:
             out = model.eval().generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50, stop_token=shards.eot_id)
         text = enc.decode([t for t in out[0].tolist() if t < enc.n_vocab and t != shards.eot_id])
-        say(f"\nfinal val_doc_loss {result['val_doc_loss']:.4f} (val_loss {result['val_loss']:.4f})")
-        say(f"sample:\n{text}")
+        print0(f"\nfinal val_doc_loss {result['val_doc_loss']:.4f} (val_loss {result['val_loss']:.4f})")
+        print0(f"sample:\n{text}")
     return result
 
 

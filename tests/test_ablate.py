@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-import ablate
 from config import ConfigError
+from studies import ablate
 
 
 @pytest.mark.parametrize("name", ["ablate_cpu.toml", "ablate_gpu.toml", "import_leak_cpu.toml"])
@@ -32,7 +32,7 @@ def test_the_confirmatory_study_is_the_one_preregistered():
 def test_bad_study_settings_are_one_clear_error(tmp_path):
     config = tmp_path / "c.toml"
     for table, message in (
-        ("seed = 3", "[ablate] unknown config key 'seed' (did you mean seeds?); run 'python ablate.py --help'"),
+        ("seed = 3", "[ablate] unknown config key 'seed' (did you mean seeds?); run 'python -m studies.ablate --help'"),
         ('variants = ["no_doc_mask"]', "variants must include reference"),
         ('variants = ["reference", "no_mask"]', "variants='no_mask': choose one of reference, no_doc_mask"),
         ("pos_embs = 5", "pos_embs=5: expected a list of str"),
@@ -178,7 +178,7 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
         "probe_docs = 8\nprobe_offsets = [16]\nseeds_by_variant = { no_mask_boundary_loss = 3 }\n"
     )
     result = subprocess.run(
-        [sys.executable, "ablate.py", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", "studies.ablate", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=900
     )
     assert result.returncode == 0, result.stderr[-3000:]
     study = tmp_path / "study"
@@ -208,12 +208,15 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
     for figure in ("effects.png", "loss_by_position.png", "offset_probe.png"):
         assert (study / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = subprocess.run(
-        [sys.executable, "ablate.py", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "studies.ablate", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert again.returncode == 0 and again.stdout.count("(finished before: skipped)") == len(
         ablate.run_order(ablate.seeds_of_cells(ablate.parse_args([str(config)])[0]))
     )
     changed = subprocess.run(
-        [sys.executable, "ablate.py", str(config), "--eval_tokens=256"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "studies.ablate", str(config), "--eval_tokens=256"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert changed.returncode == 1 and "config.eval_tokens" in changed.stderr and "step" not in changed.stdout

@@ -51,9 +51,10 @@ def fresh_dynamo():
 )
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 def test_the_training_forward_with_its_loss_is_one_graph(pos_emb, attention):
-    model = tiny_gpt(pos_emb=pos_emb, **attention)
+    doc_mask = attention["doc_mask"]
+    model = tiny_gpt(pos_emb=pos_emb, **{k: v for k, v in attention.items() if k != "doc_mask"})
     b = packed_batch(0)
-    mask = attention_mask(b.doc_ids, model.config)
+    mask = attention_mask(b.doc_ids, doc_mask, model.config.attn_impl)
     with torch.no_grad() if model.config.attn_impl == "flex" else nullcontext():  # no flex backward on CPU
         explanation = torch._dynamo.explain(model)(b.inputs, b.position_ids, mask, b.targets)
     assert explanation.graph_break_count == 0, explanation.break_reasons
@@ -98,7 +99,7 @@ def test_generation_does_not_compile_per_token(attn_impl):
     compiled = torch.compile(model, backend="eager")
     with torch.no_grad():
         b = packed_batch(0)
-        compiled(b.inputs, b.position_ids, attention_mask(b.doc_ids, model.config), b.targets)
+        compiled(b.inputs, b.position_ids, attention_mask(b.doc_ids, b.doc_mask, attn_impl), b.targets)
     before = compiled_graphs()
     torch.manual_seed(0)
     out = compiled.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=40)

@@ -14,8 +14,11 @@ import pytest
 import torch
 from conftest import ROOT, make_documents
 
+import corpora
 import data
-from data import EOT_TEXT, DataError, PackedBatches, PrepareSettings, TokenStream
+import prepare
+from data import EOT_TEXT, DataError, PackedBatches, TokenStream
+from prepare import PrepareSettings
 
 SMALL = PrepareSettings(vocab_size=300, val_fraction=0.25)
 QUIET = dict(log=lambda *_: None)
@@ -27,12 +30,12 @@ def write_jsonl(path, docs: list[str], field: str = "text") -> str:
 
 
 def prepare_docs(tmp_path, docs: list[str], name: str = "c.jsonl", settings: PrepareSettings = SMALL):
-    return data.prepare(write_jsonl(tmp_path / name, docs), str(tmp_path / "data"), settings, **QUIET)
+    return prepare.prepare(write_jsonl(tmp_path / name, docs), str(tmp_path / "data"), settings, **QUIET)
 
 
 def documents(dataset: str, **kw) -> tuple[list[str], Counter]:
     skipped = Counter()
-    return list(data.read_documents(data.resolve_dataset(dataset), skipped=skipped, **kw)), skipped
+    return list(corpora.read_documents(corpora.resolve_dataset(dataset), skipped=skipped, **kw)), skipped
 
 
 def decoded_documents(path, split: str) -> list[str]:
@@ -86,7 +89,7 @@ def test_literal_endoftext_in_a_document_stays_text(tmp_path):
 
 def test_preparation_is_deterministic(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", [f"doc {i} " + "x y z " * (i % 5) for i in range(30)])
-    a, b = (data.prepare(corpus, str(tmp_path / d), SMALL, **QUIET) for d in "ab")
+    a, b = (prepare.prepare(corpus, str(tmp_path / d), SMALL, **QUIET) for d in "ab")
     assert a.name == b.name
     for name in ("train_000000.bin", "val_000000.bin", "tokenizer.tiktoken", "inputs.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
@@ -127,7 +130,7 @@ def test_separated_text_corpus_is_read_in_chunks(tmp_path, monkeypatch):
     assert docs == ["one", "two\n", "thrée", "four " * 10] and skipped["empty"] == 1
     # read 3 bytes at a time: separators and multi-byte characters cut across chunks come out the same
     real_open = open
-    monkeypatch.setattr(data, "open", lambda *a, **k: _SmallReads(real_open(*a, **k)), raising=False)
+    monkeypatch.setattr(corpora, "open", lambda *a, **k: _SmallReads(real_open(*a, **k)), raising=False)
     assert documents(str(path))[0] == docs
 
 
@@ -162,20 +165,20 @@ def test_a_json_file_is_refused_with_a_hint(tmp_path):
     path = tmp_path / "docs.json"
     path.write_text('[{"text": "a"}]')
     with pytest.raises(DataError, match=r"a .json file is not a corpus; give JSON Lines \(.jsonl\)"):
-        data.resolve_dataset(str(path))
+        corpora.resolve_dataset(str(path))
 
 
 def test_missing_and_empty_datasets_are_clear_errors(tmp_path):
     with pytest.raises(DataError, match="not found"):
-        data.resolve_dataset(str(tmp_path / "nowhere"))
+        corpora.resolve_dataset(str(tmp_path / "nowhere"))
     with pytest.raises(DataError, match="dataset is empty"):
-        data.resolve_dataset("")
+        corpora.resolve_dataset("")
     with pytest.raises(DataError, match="matches no files"):
-        data.resolve_dataset(str(tmp_path / "*.parquet"))
+        corpora.resolve_dataset(str(tmp_path / "*.parquet"))
 
 
 def test_stdlib_corpus_is_split_into_top_level_definitions():
-    docs = list(data.stdlib_documents(split_definitions=True))
+    docs = list(corpora.stdlib_documents(split_definitions=True))
     assert len(docs) > 3000
     assert all(d.lstrip().startswith(("def ", "async def ", "class ", "@")) for d in docs)
 
@@ -183,14 +186,14 @@ def test_stdlib_corpus_is_split_into_top_level_definitions():
 def test_packages_corpus_is_the_pinned_distributions_and_what_they_require(tmp_path):
     import itertools
 
-    source = data.resolve_dataset("packages")
+    source = corpora.resolve_dataset("packages")
     assert source.files == tuple(sorted(source.files)) and len(source.files) > 3000
     relative = {p.relative_to(source.root).as_posix() for p in source.files if p.is_relative_to(source.root)}
     for pinned in ("torch/__init__.py", "numpy/__init__.py", "tiktoken/core.py"):  # from requirements.txt
         assert pinned in relative
     assert "sympy/__init__.py" in relative  # required by torch
     assert "pip/__init__.py" not in relative  # installed, but nothing pinned requires it
-    docs = list(itertools.islice(data.read_documents(source), 2000))
+    docs = list(itertools.islice(corpora.read_documents(source), 2000))
     assert len(docs) == 2000 and all(d.lstrip().startswith(("def ", "async def ", "class ", "@")) for d in docs)
 
 
@@ -228,7 +231,7 @@ def _write_formats(folder, docs: list[str]) -> dict[str, str]:
 def test_parquet_gz_zst_directory_and_glob_give_the_same_shards(tmp_path):
     docs = make_documents(60, seed=3)
     inputs = _write_formats(tmp_path / "corpus", docs)
-    prepared = {kind: data.prepare(path, str(tmp_path / "data"), SMALL, **QUIET) for kind, path in inputs.items()}
+    prepared = {kind: prepare.prepare(path, str(tmp_path / "data"), SMALL, **QUIET) for kind, path in inputs.items()}
     expected = shard_bytes(prepared["jsonl"])
     assert len(expected) == 2
     for kind, path in prepared.items():
@@ -282,8 +285,8 @@ def test_token_stream_reads_across_parts_like_one_array():
 def test_small_shards_give_the_same_stream_and_batches_as_one_shard(tmp_path, monkeypatch):
     docs = make_documents(200, seed=1)
     one = prepare_docs(tmp_path, docs)
-    monkeypatch.setattr(data, "SHARD_TOKENS", 997)  # a prime: rows and documents cross shard ends anywhere
-    many = data.prepare(str(tmp_path / "c.jsonl"), str(tmp_path / "data_small"), SMALL, **QUIET)
+    monkeypatch.setattr(prepare, "SHARD_TOKENS", 997)  # a prime: rows and documents cross shard ends anywhere
+    many = prepare.prepare(str(tmp_path / "c.jsonl"), str(tmp_path / "data_small"), SMALL, **QUIET)
     a, b = data.load_shards(one), data.load_shards(many)
     assert len(b.train.parts) > 3 and np.array_equal(a.train[:], b.train[:])
     for packing in ("concat", "pad"):
@@ -291,7 +294,8 @@ def test_small_shards_give_the_same_stream_and_batches_as_one_shard(tmp_path, mo
         y = PackedBatches(b.train, b.eot_id, 64, 8, packing, seed=5)
         for _ in range(3 * len(x.starts) // 8):  # several epochs
             bx, by = x.next(), y.next()
-            assert all(torch.equal(getattr(bx, f), getattr(by, f)) for f in bx.__dataclass_fields__)
+            tensors = ("inputs", "targets", "doc_ids", "position_ids", "doc_positions")
+            assert all(torch.equal(getattr(bx, f), getattr(by, f)) for f in tensors)
 
 
 def test_truncated_shard_is_detected_and_named(tmp_path):
@@ -317,7 +321,7 @@ def test_a_changed_file_is_prepared_again_and_says_why(tmp_path):
     first = prepare_docs(tmp_path, make_documents(300, seed=1))
     write_jsonl(corpus, make_documents(900, seed=2))
     said = []
-    second = data.prepare(str(corpus), str(tmp_path / "data"), SMALL, log=said.append)
+    second = prepare.prepare(str(corpus), str(tmp_path / "data"), SMALL, log=said.append)
     assert (
         second != first
         and sum(
@@ -337,16 +341,16 @@ def test_an_unchanged_corpus_is_reused_under_any_spelling_of_its_path(tmp_path, 
     folder = tmp_path / "corpus"
     folder.mkdir()
     write_jsonl(folder / "c.jsonl", make_documents(50))
-    first = data.prepare(str(folder / "c.jsonl"), str(tmp_path / "data"), SMALL, **QUIET)
+    first = prepare.prepare(str(folder / "c.jsonl"), str(tmp_path / "data"), SMALL, **QUIET)
     (tmp_path / "link.jsonl").symlink_to(folder / "c.jsonl")
     monkeypatch.chdir(folder)
     said = []
     for spelling in ("c.jsonl", "./c.jsonl", "../corpus/c.jsonl", str(tmp_path / "link.jsonl")):
-        assert data.prepare(spelling, str(tmp_path / "data"), SMALL, log=said.append) == first, spelling
+        assert prepare.prepare(spelling, str(tmp_path / "data"), SMALL, log=said.append) == first, spelling
     assert said == []  # nothing prepared, nothing to say
     # a folder and a glob that hold the same files are the same corpus too
-    glob_path = data.prepare(str(folder / "*.jsonl"), str(tmp_path / "data"), SMALL, **QUIET)
-    assert glob_path == data.prepare(str(folder), str(tmp_path / "data"), SMALL, **QUIET)
+    glob_path = prepare.prepare(str(folder / "*.jsonl"), str(tmp_path / "data"), SMALL, **QUIET)
+    assert glob_path == prepare.prepare(str(folder), str(tmp_path / "data"), SMALL, **QUIET)
     assert len(list((tmp_path / "data").glob("*/meta.json"))) == 2  # the single file, and the folder (or glob)
 
 
@@ -361,7 +365,7 @@ def test_appended_documents_leave_every_split_assignment_alone(tmp_path):
 
 def test_a_prepared_folder_is_a_dataset(tmp_path):
     path = prepare_docs(tmp_path, make_documents(30))
-    assert data.prepare(str(path), str(tmp_path / "elsewhere"), PrepareSettings(), **QUIET) == path
+    assert prepare.prepare(str(path), str(tmp_path / "elsewhere"), PrepareSettings(), **QUIET) == path
 
 
 def test_a_corpus_folder_holding_the_runs_own_outputs_skips_them(tmp_path):
@@ -372,7 +376,7 @@ def test_a_corpus_folder_holding_the_runs_own_outputs_skips_them(tmp_path):
     (root / "data" / "stray.txt").write_text("not corpus")
     (root / "out").mkdir()
     (root / "out" / "metrics.jsonl").write_text('{"text": "not corpus"}\n')
-    source = data.resolve_dataset(str(root), exclude=(root / "data", root / "out"))
+    source = corpora.resolve_dataset(str(root), exclude=(root / "data", root / "out"))
     assert [p.name for p in source.files] == ["a.txt"]
 
 
@@ -386,7 +390,7 @@ def test_bpe_trains_on_a_bounded_deterministic_sample_of_training_documents(tmp_
     trained_on = json.loads((path / "meta.json").read_text())["tokenizer_trained_on"]
     train_chars = sum(map(len, decoded_documents(path, "train")))
     assert 900_000 < trained_on["characters"] <= 1_000_000 < train_chars
-    sample = data._tokenizer_sample(data.resolve_dataset(str(tmp_path / "c.jsonl")), settings, 0, lambda *_: None)
+    sample = prepare._tokenizer_sample(corpora.resolve_dataset(str(tmp_path / "c.jsonl")), settings, 0, lambda *_: None)
     assert sum(map(len, sample)) == trained_on["characters"]
     keys = [spec_key(d, settings.seed) for d in sample]
     assert all(draw >= 0.25 for _, draw in keys)  # training documents only
@@ -396,7 +400,7 @@ def test_bpe_trains_on_a_bounded_deterministic_sample_of_training_documents(tmp_
 
 
 def test_interrupted_preparation_leaves_no_valid_looking_shards(tmp_path, monkeypatch):
-    real_encode, calls = data._encode_batch, []
+    real_encode, calls = prepare._encode_batch, []
 
     def encode_then_die(*args):
         calls.append(1)
@@ -404,33 +408,36 @@ def test_interrupted_preparation_leaves_no_valid_looking_shards(tmp_path, monkey
             raise KeyboardInterrupt
         return real_encode(*args)
 
-    monkeypatch.setattr(data, "_encode_batch", encode_then_die)
-    monkeypatch.setattr(data, "SHARD_TOKENS", 500)
+    monkeypatch.setattr(prepare, "_encode_batch", encode_then_die)
+    monkeypatch.setattr(prepare, "SHARD_TOKENS", 500)
     docs = make_documents(5000)  # two encoding batches (4096 documents each at most)
     with pytest.raises(KeyboardInterrupt):
         prepare_docs(tmp_path, docs)
     assert [p.name for p in (tmp_path / "data").iterdir() if not p.name.endswith(".lock")] == []
-    monkeypatch.setattr(data, "_encode_batch", real_encode)
+    monkeypatch.setattr(prepare, "_encode_batch", real_encode)
     path = prepare_docs(tmp_path, docs)
     assert data.load_shards(path).meta["splits"]["val"]["documents"] > 0
 
 
 def test_leftovers_of_a_killed_preparation_are_removed(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", make_documents(40))
-    name = data.shard_dir_for(
-        str(tmp_path / "data"), data.resolve_dataset(corpus), SMALL, data.fingerprint(data.resolve_dataset(corpus))
+    name = prepare.shard_dir_for(
+        str(tmp_path / "data"),
+        corpora.resolve_dataset(corpus),
+        SMALL,
+        corpora.fingerprint(corpora.resolve_dataset(corpus)),
     ).name
     leftover = tmp_path / "data" / f".{name}.tmp-999999"
     leftover.mkdir(parents=True)
     (leftover / "train_000000.bin").write_bytes(b"half")
-    assert data.prepare(corpus, str(tmp_path / "data"), SMALL, **QUIET).name == name
+    assert prepare.prepare(corpus, str(tmp_path / "data"), SMALL, **QUIET).name == name
     assert not leftover.exists()
 
 
 @pytest.mark.slow
 def test_two_processes_preparing_the_same_data_share_one_copy(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", make_documents(40000, seed=7))  # seconds to prepare: they overlap
-    command = [sys.executable, "data.py", corpus, f"--data_dir={tmp_path / 'data'}", "--tokenizer_vocab_size=300"]
+    command = [sys.executable, "prepare.py", corpus, f"--data_dir={tmp_path / 'data'}", "--tokenizer_vocab_size=300"]
     procs = [
         subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in "ab"
     ]
@@ -444,7 +451,7 @@ def test_two_processes_preparing_the_same_data_share_one_copy(tmp_path):
 @pytest.mark.slow
 def test_data_command_prepares_and_reports(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", make_documents(100))
-    command = [sys.executable, "data.py", corpus, f"--data_dir={tmp_path / 'data'}", "--tokenizer_vocab_size=300"]
+    command = [sys.executable, "prepare.py", corpus, f"--data_dir={tmp_path / 'data'}", "--tokenizer_vocab_size=300"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     for expected in ("ready:", "train and", "val documents", "train tokens", "tokenizer bpe300", "tokens/s", "MB read"):
@@ -457,7 +464,7 @@ def test_data_command_prepares_and_reports(tmp_path):
 
 def test_progress_prints_rates_and_eta_as_plain_lines_off_a_terminal():
     lines = []
-    progress = data.Progress("encoding", total_bytes=1000, log=lines.append, every=0)
+    progress = prepare.Progress("encoding", total_bytes=1000, log=lines.append, every=0)
     progress.update(n_bytes=250, documents=10, tokens=400)
     assert len(lines) == 1
     assert all(part in lines[0] for part in ("encoding", "25.0%", "docs/s", "M tok/s", "ETA"))
@@ -466,7 +473,14 @@ def test_progress_prints_rates_and_eta_as_plain_lines_off_a_terminal():
 @pytest.mark.slow
 def test_data_benchmark_runs_at_a_tiny_size(tmp_path):
     out = tmp_path / "bench_data.json"
-    command = [sys.executable, "bench_data.py", "--gb=0.002", f"--work_dir={tmp_path / 'work'}", f"--out={out}"]
+    command = [
+        sys.executable,
+        "-m",
+        "studies.bench_data",
+        "--gb=0.002",
+        f"--work_dir={tmp_path / 'work'}",
+        f"--out={out}",
+    ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -475,5 +489,7 @@ def test_data_benchmark_runs_at_a_tiny_size(tmp_path):
     # every full-size preparation writes the same tokens, whatever the format
     assert len({report[f"prepare_{run}"]["tokens"] for run in ("bpe", "jsonl", "parquet")}) == 1
     assert "| prepare parquet |" in result.stdout and report["raw_tiktoken"]["tokens"] > 0
-    bad = subprocess.run([sys.executable, "bench_data.py", "--gb=0"], cwd=ROOT, capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "studies.bench_data", "--gb=0"], cwd=ROOT, capture_output=True, text=True
+    )
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1

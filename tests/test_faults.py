@@ -22,12 +22,16 @@ import pytest
 import torch
 from conftest import ROOT, make_documents, tiny_args
 
+import corpora
 import data
+import prepare
+import run_folder
 import sample
 import train
 from config import ConfigError, parse_config
-from data import DataError, PrepareSettings
+from data import DataError
 from model import GPT, GPTConfig
+from prepare import PrepareSettings
 
 SMALL = PrepareSettings(vocab_size=300)
 QUIET = dict(log=lambda *_: None)
@@ -92,7 +96,7 @@ def test_a_truncated_compressed_jsonl_is_never_read_as_complete(tmp_path, kind):
         path = tmp_path / f"cut{cut}{suffix}"
         path.write_bytes(content[:cut])
         try:
-            got = list(data.read_documents(data.resolve_dataset(str(path))))
+            got = list(corpora.read_documents(corpora.resolve_dataset(str(path))))
         except DataError as e:
             assert str(path) in str(e) and "\n" not in str(e)
         else:
@@ -109,7 +113,7 @@ def test_a_truncated_parquet_file_is_refused(tmp_path):
         cut_path = tmp_path / f"cut{cut}.parquet"
         cut_path.write_bytes(content[:cut])
         with pytest.raises(DataError, match="parquet"):
-            list(data.read_documents(data.resolve_dataset(str(cut_path))))
+            list(corpora.read_documents(corpora.resolve_dataset(str(cut_path))))
         tried("truncated compressed file")
 
 
@@ -124,7 +128,7 @@ def test_parquet_text_in_every_arrow_string_layout_is_read(tmp_path, layout):
     }[layout]()
     path = tmp_path / "c.parquet"
     pq.write_table(pa.table({"text": column}), path, store_schema=True)
-    assert list(data.read_documents(data.resolve_dataset(str(path)))) == docs
+    assert list(corpora.read_documents(corpora.resolve_dataset(str(path)))) == docs
     tried("parquet string layout")
 
 
@@ -135,14 +139,14 @@ def test_parquet_text_in_every_arrow_string_layout_is_read(tmp_path, layout):
 def prepared(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_bytes(jsonl_bytes(make_documents(60)))
-    return data.prepare(str(corpus), str(tmp_path / "data"), SMALL, **QUIET)
+    return prepare.prepare(str(corpus), str(tmp_path / "data"), SMALL, **QUIET)
 
 
 @pytest.mark.parametrize("missing", data.PREPARED_FILES)
 def test_a_prepared_folder_that_lacks_a_file_is_refused_not_read_as_text(prepared, missing):
     (prepared / missing).unlink()
     with pytest.raises(DataError, match=f"incomplete preparation|{missing} is missing"):
-        data.load_shards(data.prepare(str(prepared), str(prepared.parent.parent / "other"), SMALL, **QUIET))
+        data.load_shards(prepare.prepare(str(prepared), str(prepared.parent.parent / "other"), SMALL, **QUIET))
     tried("damaged data folder")
 
 
@@ -162,18 +166,18 @@ def test_a_dataset_that_is_the_data_dir_is_refused_under_any_spelling(prepared, 
     monkeypatch.chdir(tmp_path)
     for spelling in (str(data_dir), "data", "./data/../data", "link", str(prepared.parent / prepared.name / "..")):
         with pytest.raises(DataError, match="is the data_dir or out_dir of this run"):
-            data.prepare(spelling, str(data_dir), SMALL, exclude=(data_dir, tmp_path / "out"), **QUIET)
+            prepare.prepare(spelling, str(data_dir), SMALL, exclude=(data_dir, tmp_path / "out"), **QUIET)
         tried("dataset that is the data_dir")
 
 
 def test_a_preparation_lock_that_is_a_folder_is_one_line(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_bytes(jsonl_bytes(make_documents(60)))
-    source = data.resolve_dataset(str(corpus))
-    name = data.shard_dir_for(str(tmp_path / "data"), source, SMALL, data.fingerprint(source)).name
+    source = corpora.resolve_dataset(str(corpus))
+    name = prepare.shard_dir_for(str(tmp_path / "data"), source, SMALL, corpora.fingerprint(source)).name
     (tmp_path / "data" / f".{name}.lock").mkdir(parents=True)
     with pytest.raises(DataError, match="cannot serve as the preparation's lock"):
-        data.prepare(str(corpus), str(tmp_path / "data"), SMALL, **QUIET)
+        prepare.prepare(str(corpus), str(tmp_path / "data"), SMALL, **QUIET)
     tried("damaged data folder")
 
 
@@ -184,7 +188,7 @@ def test_a_symbolic_link_loop_under_a_recursive_glob_ends(tmp_path):
         (corpus / "sub" / f"{i}.txt").write_text(doc)
     (corpus / "sub" / "loop").symlink_to(corpus)
     result = python(
-        "-c", f"import data; print(len(data.resolve_dataset({str(corpus / '**' / '*.txt')!r}).files))", timeout=60
+        "-c", f"import corpora; print(len(corpora.resolve_dataset({str(corpus / '**' / '*.txt')!r}).files))", timeout=60
     )
     assert result.returncode == 0 and result.stdout.strip() == "5", result.stderr
     tried("symbolic-link loop")
@@ -195,11 +199,11 @@ def test_a_tokenizer_smaller_than_asked_says_so_and_its_folder_says_its_size(tmp
     corpus.write_bytes(jsonl_bytes(["abc abd", "bcd bce", "cde"] * 3 + [f"x{i}" for i in range(5)]))
     said = []
     settings = PrepareSettings(vocab_size=5000, val_fraction=0.3)
-    path = data.prepare(str(corpus), str(tmp_path / "data"), settings, log=said.append)
+    path = prepare.prepare(str(corpus), str(tmp_path / "data"), settings, log=said.append)
     real = data.load_shards(path).meta["vocab_size"]
     assert real < 5000 and path.name.split("-")[1] == f"bpe{real}"
     assert any(f"only {real:,} tokens" in line and "5,000" in line for line in said)
-    assert data.prepare(str(corpus), str(tmp_path / "data"), settings, log=said.append) == path  # found again
+    assert prepare.prepare(str(corpus), str(tmp_path / "data"), settings, log=said.append) == path  # found again
     tried("small tokenizer")
 
 
@@ -210,31 +214,35 @@ def test_a_tokenizer_smaller_than_asked_says_so_and_its_folder_says_its_size(tmp
 def test_interrupts_and_kills_at_random_points_of_preparation_leave_it_clean_and_resumable(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_bytes(jsonl_bytes(make_documents(30000, seed=3)))
-    command = [sys.executable, "data.py", str(corpus), "--tokenizer_vocab_size=300"]
+    command = [sys.executable, "prepare.py", str(corpus), "--tokenizer_vocab_size=300"]
     reference = python(*command[1:], f"--data_dir={tmp_path / 'reference'}")
     assert reference.returncode == 0, reference.stderr
     (expected,) = complete_folders(tmp_path / "reference")
+    seconds = json.loads((expected / "meta.json").read_text())["seconds"]["total"]  # tokenizer, encoding, shards
     data_dir = tmp_path / "data"
     rng = random.Random(0)
+    interrupted = 0
     for i in range(8):
         signum = signal.SIGINT if i % 2 == 0 else signal.SIGKILL
         proc = subprocess.Popen(
             [*command, f"--data_dir={data_dir}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        while proc.poll() is None and not list(data_dir.glob(".*.lock")):  # preparing (past Python's start)
+        while proc.poll() is None and not list(data_dir.glob(f".*.tmp-{proc.pid}")):  # its preparation has begun
             time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 4.0))
+        time.sleep(rng.uniform(0.0, 0.9 * seconds))  # a random point of the preparation
         proc.send_signal(signum)
         stdout, stderr = proc.communicate(timeout=120)
         tried("interrupt or kill during preparation")
         if proc.returncode == 0:  # it had finished
             assert len(complete_folders(data_dir)) == 1
             break
+        interrupted += 1
         assert complete_folders(data_dir) == []  # nothing that looks complete
         if signum == signal.SIGINT:
             assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
             assert (stdout + stderr).count("interrupted:") == 1
             assert not list(data_dir.glob(".*.tmp-*"))  # the unfinished preparation was removed
+    assert interrupted >= 6
     finished = python(*command[1:], f"--data_dir={data_dir}")
     assert finished.returncode == 0, finished.stderr
     (folder,) = complete_folders(data_dir)
@@ -253,7 +261,7 @@ def test_a_full_disk_or_a_file_size_limit_while_preparing_or_benchmarking_is_one
         return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, n_bytes))
 
     prepared = python(
-        "data.py",
+        "prepare.py",
         str(corpus),
         f"--data_dir={tmp_path / 'data'}",
         "--tokenizer_vocab_size=300",
@@ -262,7 +270,12 @@ def test_a_full_disk_or_a_file_size_limit_while_preparing_or_benchmarking_is_one
     assert prepared.returncode == 1 and "could not write the shards" in one_line(prepared)
     assert complete_folders(tmp_path / "data") == [] and not list((tmp_path / "data").glob(".*.tmp-*"))
     bench = python(
-        "bench.py", f"--out={tmp_path / 'bench.json'}", "--steps=1", "--warmup=0", preexec_fn=limit_files_to(1)
+        "-m",
+        "studies.bench",
+        f"--out={tmp_path / 'bench.json'}",
+        "--steps=1",
+        "--warmup=0",
+        preexec_fn=limit_files_to(1),
     )
     assert bench.returncode == 1 and "could not write" in one_line(bench)
     tried("full disk or file-size limit", 2)
@@ -318,12 +331,15 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line_and_the_run_resumes_by_its_na
 
 
 @pytest.mark.slow
-def test_resuming_by_name_keeps_the_saved_settings_and_names_what_may_not_change(reference_run, tmp_path):
+def test_resuming_by_name_keeps_the_saved_settings_and_names_what_may_not_change(reference_run, tmp_path, monkeypatch):
     args, uninterrupted = reference_run
     out = tmp_path / "run"
-    train.train(parse_config(args(out, max_iters=6)))
-    cfg = parse_config([f"--out_dir={out}", "--resume=true", "--max_iters=12"])
-    assert cfg == parse_config(args(out) + ["--resume=true"])  # every saved setting, max_iters raised
+    monkeypatch.setattr(run_folder.StopRequest, "agreed", lambda self, step, every, device: step == 6)  # Ctrl-C
+    train.train(parse_config(args(out)))
+    monkeypatch.undo()
+    cfg = parse_config([f"--out_dir={out}", "--resume=true"])
+    assert cfg == parse_config(args(out) + ["--resume=true"])  # every saved setting
+    assert parse_config([f"--out_dir={out}", "--resume=true", "--max_iters=20"]).max_iters == 20  # may change
     for change, name in (("--lr=0.5", "lr"), ("--seq_len=32", "seq_len"), ("--doc_mask=false", "doc_mask")):
         with pytest.raises(ConfigError, match=f"cannot resume {out} with other settings \\({name}: "):
             parse_config([f"--out_dir={out}", "--resume=true", change])
@@ -436,7 +452,7 @@ def test_a_corpus_where_the_config_file_goes_says_to_use_dataset(tmp_path):
 
 
 def test_a_leading_tilde_is_the_home_folder_for_every_path(tmp_path, monkeypatch):
-    import ablate
+    from studies import ablate
 
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "c.toml").write_text('data_dir = "~/d"\n')

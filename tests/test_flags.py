@@ -34,15 +34,20 @@ def test_mask_boundary_loss_off_changes_only_the_targets_after_eot():
         assert torch.equal(getattr(on, name), getattr(off, name)), name
 
 
+def test_doc_mask_off_changes_only_the_batch_s_doc_mask():
+    on, off = batch(), batch(doc_mask=False)
+    assert on.doc_mask and not off.doc_mask
+    for name in ("inputs", "targets", "doc_ids", "position_ids", "doc_positions"):
+        assert torch.equal(getattr(on, name), getattr(off, name)), name
+
+
 def test_doc_mask_off_changes_only_what_later_documents_see():
     b = batch()
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=64, seq_len=T, n_layer=2, n_head=2, n_embd=32)
-    model = GPT(config).eval()
+    model = GPT(GPTConfig(vocab_size=64, seq_len=T, n_layer=2, n_head=2, n_embd=32)).eval()
     with torch.no_grad():
-        masked = model(b.inputs, b.position_ids, attention_mask(b.doc_ids, config))
-        config.doc_mask = False
-        causal = model(b.inputs, b.position_ids, attention_mask(b.doc_ids, config))
+        masked = model(b.inputs, b.position_ids, attention_mask(b.doc_ids, doc_mask=True))
+        causal = model(b.inputs, b.position_ids, attention_mask(b.doc_ids, doc_mask=False))
     first_doc = b.doc_ids == 0
     assert torch.allclose(masked[first_doc], causal[first_doc], atol=1e-6)  # nothing earlier to see
     assert not torch.allclose(masked[~first_doc], causal[~first_doc], atol=1e-3)

@@ -22,11 +22,10 @@ from conftest import ROOT, make_documents
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import ablate
-import bench
 import sample
 import train
 from config import Config
+from studies import ablate, bench
 
 pytestmark = pytest.mark.slow  # every test here runs the scripts' main functions
 

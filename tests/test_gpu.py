@@ -35,7 +35,7 @@ def test_flex_and_dense_agree_forward_and_backward(dtype, atol, pos_emb):
             GPTConfig(vocab_size=512, seq_len=T, n_layer=2, n_head=4, n_embd=128, pos_emb=pos_emb, attn_impl=impl)
         ).cuda()
         with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-            logits = model(batch.inputs, batch.position_ids, attention_mask(batch.doc_ids, model.config))
+            logits = model(batch.inputs, batch.position_ids, attention_mask(batch.doc_ids, True, impl))
         logits.float().square().mean().backward()
         outputs.append(logits.float())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
@@ -65,7 +65,7 @@ def test_the_compiled_training_step_is_one_graph_and_never_recompiles():
     b = new_batch()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         explanation = torch._dynamo.explain(model)(
-            b.inputs, b.position_ids, attention_mask(b.doc_ids, model.config), b.targets
+            b.inputs, b.position_ids, attention_mask(b.doc_ids, b.doc_mask), b.targets
         )
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
     torch._dynamo.reset()

@@ -10,14 +10,13 @@ import pytest
 import torch
 from conftest import tiny_args
 
-import ablate
-import data
-import import_leak
+import prepare
 import train
 from config import parse_config
 from data import Flags, PackedBatches
-from import_leak import find_pairs, parse_file, probe
 from model import GPT, GPTConfig
+from studies import ablate, import_leak
+from studies.import_leak import find_pairs, parse_file, probe
 from train import token_losses
 
 MODULES = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
@@ -36,7 +35,7 @@ def python_files(seed: int = 0, n: int = 40) -> list[str]:
 
 @pytest.fixture(scope="module")
 def enc():
-    return data.train_bpe(python_files(0) + python_files(1), vocab_size=320)
+    return prepare.train_bpe(python_files(0) + python_files(1), vocab_size=320)
 
 
 def test_parse_file_reads_module_level_imports_only():
@@ -75,25 +74,21 @@ def test_pairs_name_a_module_the_preceding_files_import_and_b_never_mentions(enc
     ]
 
 
-def tiny_gpt(vocab_size: int, doc_mask: bool, seq_len: int = 128, n_head: int = 2, n_embd: int = 32) -> GPT:
+def tiny_gpt(vocab_size: int, seq_len: int = 128, n_head: int = 2, n_embd: int = 32) -> GPT:
     torch.manual_seed(0)
-    return GPT(
-        GPTConfig(vocab_size=vocab_size, seq_len=seq_len, n_layer=2, n_head=n_head, n_embd=n_embd, doc_mask=doc_mask)
-    )
+    return GPT(GPTConfig(vocab_size=vocab_size, seq_len=seq_len, n_layer=2, n_head=n_head, n_embd=n_embd))
 
 
 def test_with_the_document_mask_the_probe_sees_no_leak_at_all(enc):
     pairs = find_pairs(python_files(3), enc, n_pairs=12)
-    masked = tiny_gpt(enc.n_vocab, doc_mask=True).eval()
-    result = probe(masked, Flags(), enc, pairs, samples=2, device=torch.device("cpu"))
+    model = tiny_gpt(enc.n_vocab).eval()
+    result = probe(model, Flags(), enc, pairs, samples=2, device=torch.device("cpu"))
     deltas = [e["delta_logprob"] for e in result["logprob"].values() if e["pairs"]]
     assert len(deltas) >= 4 and max(abs(d) for d in deltas) < 1e-5  # B cannot see what came before it
     sampling = result["sampling"]
     assert sampling["difference"] == 0 and sampling["leak_rate_after"] == sampling["leak_rate_alone"]
     # the same weights without the mask: the files before B change what it predicts
-    unmasked = tiny_gpt(enc.n_vocab, doc_mask=False).eval()
-    unmasked.load_state_dict(masked.state_dict())
-    result = probe(unmasked, Flags(doc_mask=False), enc, pairs, samples=2, device=torch.device("cpu"))
+    result = probe(model, Flags(doc_mask=False), enc, pairs, samples=2, device=torch.device("cpu"))
     assert max(abs(e["delta_logprob"]) for e in result["logprob"].values() if e["pairs"]) > 1e-3
 
 
@@ -108,7 +103,7 @@ def runs_of_files(n_files: int, seed: int) -> list[str]:
 @pytest.mark.slow
 def test_a_model_trained_to_copy_the_previous_imports_leaks_without_the_mask(enc):
     flags = Flags(doc_mask=False)
-    model = tiny_gpt(enc.n_vocab, doc_mask=False, seq_len=64, n_head=4, n_embd=64)
+    model = tiny_gpt(enc.n_vocab, seq_len=64, n_head=4, n_embd=64)
     stream = np.array(sum((enc.encode_ordinary(t) + [enc.eot_token] for t in runs_of_files(8000, seed=0)), []))
     batches = PackedBatches(stream, enc.eot_token, 64, 16, flags=flags, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -143,12 +138,15 @@ def test_a_study_with_the_leak_probe_reports_it_per_variant(tmp_path):
     study = tmp_path / "study"
     summary = json.loads((study / "results.json").read_text())["summary"]
     assert sorted(summary) == ["learned/no_doc_mask", "learned/reference"]
-    reference = summary["learned/reference"]
-    assert abs(reference["leak_logprob"][0]) < 1e-5 and reference["leak_rate"][0] == 0
-    assert reference["leak_logprob_verdict"] == "no leak"
-    assert summary["learned/no_doc_mask"]["leak_logprob"][0] != 0  # an untrained model still sees A
+    reference = summary["learned/reference"]["endpoints"]
+    assert (
+        reference["leak_logprob"]["verdict"] == "invariant" and reference["leak_logprob"]["max_abs_difference"] < 1e-5
+    )
+    assert reference["leak_rate"]["verdict"] == "invariant"
+    unmasked = summary["learned/no_doc_mask"]["endpoints"]["leak_logprob"]
+    assert unmasked["role"] == "secondary" and unmasked["estimate"] != 0  # an untrained model still sees A
     report = (study / "results.md").read_text()
-    assert "## Import leak" in report and report.count("\n| learned/") == 4
+    assert "## Import leak" in report and "\n| learned/no_doc_mask | " in report.split("## Import leak")[1]
     assert (study / "import_leak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

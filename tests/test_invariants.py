@@ -13,9 +13,9 @@ EOT = 63
 T = 32
 
 
-def tiny_gpt(pos_emb: str, doc_mask: bool = True, seed: int = 0) -> GPT:
+def tiny_gpt(pos_emb: str, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=64, seq_len=T, n_layer=2, n_head=2, n_embd=32, pos_emb=pos_emb, doc_mask=doc_mask))
+    return GPT(GPTConfig(vocab_size=64, seq_len=T, n_layer=2, n_head=2, n_embd=32, pos_emb=pos_emb))
 
 
 def documents(seed: int = 0, lengths=(9, 6, 12)) -> list[np.ndarray]:
@@ -36,7 +36,8 @@ def alone(doc: np.ndarray):
 
 def logits(model: GPT, batch) -> torch.Tensor:
     with torch.no_grad():
-        return model(batch.inputs, batch.position_ids, attention_mask(batch.doc_ids, model.config))
+        mask = attention_mask(batch.doc_ids, batch.doc_mask, model.config.attn_impl)
+        return model(batch.inputs, batch.position_ids, mask)
 
 
 def summed_loss(model: GPT, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +55,7 @@ def test_document_in_a_packed_row_matches_the_document_alone(pos_emb):
     expected = logits(model, alone(docs[1]))[0, :n]
     assert torch.allclose(got, expected, atol=1e-5)
     # with the mask off the earlier document leaks in, so the same comparison fails
-    leaky = logits(tiny_gpt(pos_emb, doc_mask=False), packed(docs))[0, start : start + n]
+    leaky = logits(model, packed(docs, doc_mask=False))[0, start : start + n]
     assert not torch.allclose(leaky, expected, atol=1e-3)
 
 
@@ -82,19 +83,20 @@ def test_changing_one_document_never_changes_another(pos_emb):
     assert torch.allclose(a[0, start:], b[0, start:], atol=1e-6)
     assert not torch.allclose(a[0, :start], b[0, :start], atol=1e-3)
     # without the mask, documents B and C see the change
-    leaky = tiny_gpt(pos_emb, doc_mask=False)
     assert not torch.allclose(
-        logits(leaky, packed(docs))[0, start:], logits(leaky, packed(changed))[0, start:], atol=1e-3
+        logits(model, packed(docs, doc_mask=False))[0, start:],
+        logits(model, packed(changed, doc_mask=False))[0, start:],
+        atol=1e-3,
     )
 
 
 @pytest.mark.parametrize("doc_mask", [True, False])
 def test_changing_a_future_token_never_changes_past_logits(doc_mask):
     docs = documents()
-    model = tiny_gpt("learned", doc_mask=doc_mask)
+    model = tiny_gpt("learned")
     later = [d.copy() for d in docs]
     later[1][2] = (later[1][2] + 1) % EOT  # slot 11 of the row
-    a, b = logits(model, packed(docs)), logits(model, packed(later))
+    a, b = logits(model, packed(docs, doc_mask=doc_mask)), logits(model, packed(later, doc_mask=doc_mask))
     slot = len(docs[0]) + 2
     assert torch.allclose(a[0, :slot], b[0, :slot], atol=1e-6)
     assert not torch.allclose(a[0, slot:], b[0, slot:], atol=1e-3)
@@ -130,7 +132,8 @@ def test_gradient_accumulation_normalises_by_counted_targets_of_the_whole_step()
     accumulated = accumulate_gradients(model, micro, torch.autocast("cpu", enabled=False), model.config)
     grads_accumulated = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    both = type(micro[0])(*(torch.cat([getattr(m, f) for m in micro]) for f in micro[0].__dataclass_fields__))
+    tensors = ("inputs", "targets", "doc_ids", "position_ids", "doc_positions")
+    both = type(micro[0])(*(torch.cat([getattr(m, f) for m in micro]) for f in tensors))
     whole = accumulate_gradients(model, [both], torch.autocast("cpu", enabled=False), model.config)
     assert torch.allclose(accumulated, whole, rtol=1e-5)
     for g, p in zip(grads_accumulated, model.parameters()):

@@ -17,14 +17,12 @@ MODELS = {}
 
 
 def logits(pos_emb: str, doc_mask: bool):
-    """A function (inputs, doc_ids, position_ids) -> logits of one small model per setting."""
-    if (pos_emb, doc_mask) not in MODELS:
+    """A function (inputs, doc_ids, position_ids) -> logits of one small model per position kind."""
+    if pos_emb not in MODELS:
         torch.manual_seed(0)
-        MODELS[pos_emb, doc_mask] = GPT(
-            GPTConfig(vocab_size=64, seq_len=T, n_layer=2, n_head=2, n_embd=32, pos_emb=pos_emb, doc_mask=doc_mask)
-        ).eval()
-    model = MODELS[pos_emb, doc_mask]
-    return lambda inputs, doc_ids, position_ids: model(inputs, position_ids, attention_mask(doc_ids, model.config))
+        MODELS[pos_emb] = GPT(GPTConfig(vocab_size=64, seq_len=T, n_layer=2, n_head=2, n_embd=32, pos_emb=pos_emb))
+    model = MODELS[pos_emb].eval()
+    return lambda inputs, doc_ids, position_ids: model(inputs, position_ids, attention_mask(doc_ids, doc_mask))
 
 
 @st.composite

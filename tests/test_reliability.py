@@ -14,10 +14,14 @@ import tiktoken
 import torch
 from conftest import ROOT, make_documents, tiny_args
 
+import corpora
 import data
+import prepare
+import run_folder
 import train
 from config import ConfigError, parse_config
-from data import DataError, PrepareSettings
+from data import DataError
+from prepare import PrepareSettings
 from train import TrainingDiverged
 
 SMALL = PrepareSettings(vocab_size=300)
@@ -136,7 +140,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(long_a
 def test_empty_corpus(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="holds no non-empty documents"):
-        data.prepare(str(tmp_path / "empty"), str(tmp_path / "data"), log=lambda *_: None)
+        prepare.prepare(str(tmp_path / "empty"), str(tmp_path / "data"), log=lambda *_: None)
     assert [p.name for p in (tmp_path / "data").iterdir() if not p.name.endswith(".lock")] == []
 
 
@@ -144,7 +148,7 @@ def test_single_file_that_is_not_utf8(tmp_path):
     path = tmp_path / "docs.txt"
     path.write_bytes(b"caf\xe9 au lait")
     with pytest.raises(DataError, match=r"docs.txt is not UTF-8"):
-        list(data.read_documents(data.resolve_dataset(str(path))))
+        list(corpora.read_documents(corpora.resolve_dataset(str(path))))
 
 
 @pytest.mark.slow
@@ -162,14 +166,14 @@ def test_dataset_too_small_for_the_validation_set(tmp_path):
 
 
 def test_corrupted_meta_json(tiny_corpus, tmp_path):
-    path = data.prepare(str(tiny_corpus), str(tmp_path / "data"), SMALL, log=lambda *_: None)
+    path = prepare.prepare(str(tiny_corpus), str(tmp_path / "data"), SMALL, log=lambda *_: None)
     (path / "meta.json").write_text("{ not json")
     with pytest.raises(DataError, match="meta.json is corrupted"):
         data.load_shards(path)
 
 
 def test_shard_with_token_ids_outside_the_vocabulary(tiny_corpus, tmp_path):
-    path = data.prepare(str(tiny_corpus), str(tmp_path / "data"), SMALL, log=lambda *_: None)
+    path = prepare.prepare(str(tiny_corpus), str(tmp_path / "data"), SMALL, log=lambda *_: None)
     tokens = np.fromfile(path / "val_000000.bin", dtype=np.uint16)
     tokens[0] = 60000
     tokens.tofile(path / "val_000000.bin")
@@ -202,7 +206,7 @@ def test_unreadable_checkpoint(tiny_corpus, tmp_path):
 def test_out_dir_not_writable(tiny_corpus, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    with pytest.raises(ConfigError, match="is not writable"):
+    with pytest.raises(ConfigError, match="out_dir .* is not a writable folder"):
         train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", blocker / "out")))
 
 
@@ -238,7 +242,7 @@ def test_tokenizer_that_needs_the_network_offline(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     with pytest.raises(DataError, match="Offline, use tokenizer='bpe' or a local .tiktoken file"):
-        data.load_named_tokenizer("gpt2")
+        prepare.load_named_tokenizer("gpt2")
 
 
 # ---- round 2: no run overwritten, no output mixed, no traceback
@@ -288,12 +292,12 @@ def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(long_
 @pytest.mark.slow
 def test_a_preparation_in_progress_is_waited_for(tiny_corpus, tmp_path):
     data_dir = tmp_path / "data"
-    source = data.resolve_dataset(str(tiny_corpus))
-    name = data.shard_dir_for(str(data_dir), source, SMALL, data.fingerprint(source)).name
+    source = corpora.resolve_dataset(str(tiny_corpus))
+    name = prepare.shard_dir_for(str(data_dir), source, SMALL, corpora.fingerprint(source)).name
     data_dir.mkdir()
-    with data.exclusive_lock(data_dir / f".{name}.lock"):
+    with run_folder.exclusive_lock(data_dir / f".{name}.lock"):
         waiting = subprocess.Popen(
-            [sys.executable, "data.py", str(tiny_corpus), f"--data_dir={data_dir}", "--tokenizer_vocab_size=300"],
+            [sys.executable, "prepare.py", str(tiny_corpus), f"--data_dir={data_dir}", "--tokenizer_vocab_size=300"],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -357,7 +361,9 @@ def test_bad_tiktoken_files_are_named(tmp_path, content, message):
     path = tmp_path / "bad.tiktoken"
     path.write_bytes(content)
     with pytest.raises(DataError, match=message):
-        data.read_tiktoken_file(path)
+        prepare.load_named_tokenizer(str(path))  # a user's file
+    with pytest.raises(DataError, match=message):  # the bytes a checkpoint keeps: the same reader, checked
+        data.read_tiktoken(content, prepare.SPLIT_PATTERN, "bad", "the checkpoint's tokenizer")
 
 
 def test_non_finite_and_out_of_range_settings_are_refused_before_anything_else(tmp_path):
@@ -420,7 +426,7 @@ def test_resuming_to_fewer_steps_than_the_checkpoint_is_refused(tiny_corpus, tmp
 def test_data_dir_that_is_a_file_is_refused_before_reading_the_corpus(tiny_corpus, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    with pytest.raises(DataError, match="data_dir .* is not a writable folder"):
+    with pytest.raises(ConfigError, match="data_dir .* is not a writable folder"):
         train.train(parse_config(tiny_args(tiny_corpus, blocker, tmp_path / "o")))
 
 
@@ -457,11 +463,11 @@ def test_a_dataset_folder_that_holds_the_runs_outputs_skips_them(tmp_path, monke
 def test_ablate_settings_of_the_wrong_type(tmp_path, table, message):
     config = tmp_path / "c.toml"
     config.write_text(f"[ablate]\n{table}\n")
-    one_error_line(run_cli("ablate.py", str(config)), message)
+    one_error_line(run_cli("-m", "studies.ablate", str(config)), message)
 
 
 @pytest.mark.slow
 def test_bench_checks_its_arguments_before_it_runs(tmp_path):
-    one_error_line(run_cli("bench.py", "--seq_lens=0"), "--seq_lens")
-    one_error_line(run_cli("bench.py", "--doc_len=0"), "--doc_len")
-    one_error_line(run_cli("bench.py", f"--out={tmp_path}"), "is a folder")
+    one_error_line(run_cli("-m", "studies.bench", "--seq_lens=0"), "--seq_lens")
+    one_error_line(run_cli("-m", "studies.bench", "--doc_len=0"), "--doc_len")
+    one_error_line(run_cli("-m", "studies.bench", f"--out={tmp_path}"), "is a folder")

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-import stats
+from studies import stats
 
 
 def test_incomplete_beta_matches_the_binomial_tail():

@@ -1,8 +1,8 @@
-"""Benchmark data preparation at scale: a synthetic corpus of Python code, prepared by `python data.py`
+"""Benchmark data preparation at scale: a synthetic corpus of Python code, prepared by `python prepare.py`
 as JSONL and as parquet, side by side with raw tiktoken encoding the same text on the same machine.
 
-    python bench_data.py                  # 2 GB of text (about 30 minutes on 2 cores)
-    python bench_data.py --gb=0.1         # a quick look
+    python -m studies.bench_data              # 2 GB of text (about 30 minutes on 2 cores)
+    python -m studies.bench_data --gb=0.1     # a quick look
 
 The corpus: the top-level definitions of the Python files of the installed packages (site-packages),
 repeated until the size is reached, each repetition with a header comment and a few identifiers renamed,
@@ -10,7 +10,7 @@ so that no two documents are the same. Each measurement runs in its own process;
 process's maximum resident set size, as the OS reports it.
 
   raw tiktoken     encode_ordinary_batch on all cores over every document, timing only the encoding
-  prepare (bpe)    python data.py corpus.jsonl: a BPE trained on a bounded sample, then everything
+  prepare (bpe)    python prepare.py corpus.jsonl: a BPE trained on a bounded sample, then everything
   prepare jsonl    the same corpus with that tokenizer (so only preparation is timed)
   prepare parquet  the same documents as parquet
   prepare half     the first half of the documents, as JSONL and as parquet: peak memory must not grow
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository root: scripts run from there
 RENAMES = [("self", "this"), ("value", "val"), ("data", "payload"), ("result", "out"), ("name", "label")]
 
 
@@ -106,9 +106,9 @@ def measure(command: list[str]) -> dict:
 
 def raw_tiktoken(corpus: str, tokenizer: str) -> None:
     """Child process: encode every document of a JSONL file with tiktoken, timing only the encoding."""
-    import data
+    from prepare import load_named_tokenizer
 
-    enc = data.read_tiktoken_file(Path(tokenizer))
+    enc = load_named_tokenizer(tokenizer)
     seconds = tokens = documents = 0
 
     def encode(batch: list[str]) -> None:
@@ -131,8 +131,8 @@ def raw_tiktoken(corpus: str, tokenizer: str) -> None:
     print(json.dumps({"encode_seconds": seconds, "tokens": tokens, "documents": documents}))
 
 
-def prepare(dataset: Path, data_dir: Path, tokenizer: str = "bpe") -> dict:
-    result = measure([sys.executable, "data.py", str(dataset), f"--data_dir={data_dir}", f"--tokenizer={tokenizer}"])
+def prepared(dataset: Path, data_dir: Path, tokenizer: str = "bpe") -> dict:
+    result = measure([sys.executable, "prepare.py", str(dataset), f"--data_dir={data_dir}", f"--tokenizer={tokenizer}"])
     folder = Path(next(line for line in result["output"].splitlines() if line.startswith("ready: "))[7:])
     meta = json.loads((folder / "meta.json").read_text())
     tokens = sum(s["tokens"] for s in meta["splits"].values())
@@ -150,7 +150,7 @@ def prepare(dataset: Path, data_dir: Path, tokenizer: str = "bpe") -> dict:
 
 def main(argv: list[str]) -> int:
     from config import ArgumentParser, expanded_path  # a bad argument is one line, as in every script here
-    from run_infra import SaveFailed, write_atomically
+    from run_folder import SaveFailed, write_atomically
 
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("--gb", type=float, default=2.0, help="size of the corpus in GB of text (characters)")
@@ -178,7 +178,7 @@ def main(argv: list[str]) -> int:
 
 
 def benchmark(args, work: Path, out: Path) -> int:
-    from run_infra import write_atomically
+    from run_folder import write_atomically
 
     corpus = work / f"corpus_{args.gb:g}gb"
     if not (corpus / "done.json").exists():
@@ -192,20 +192,20 @@ def benchmark(args, work: Path, out: Path) -> int:
 
     results: dict = {"corpus": {**info, "file_bytes": sizes}}
     shards = work / "data"
-    results["prepare_bpe"] = prepare(corpus / "corpus.jsonl", shards / "bpe")
+    results["prepare_bpe"] = prepared(corpus / "corpus.jsonl", shards / "bpe")
     tokenizer = str(Path(results["prepare_bpe"]["folder"]).resolve() / "tokenizer.tiktoken")
     raw = measure(
         [
             sys.executable,
             "-c",
-            f"import bench_data; bench_data.raw_tiktoken({str(corpus / 'corpus.jsonl')!r}, {tokenizer!r})",
+            f"from studies import bench_data; bench_data.raw_tiktoken({str(corpus / 'corpus.jsonl')!r}, {tokenizer!r})",
         ]
     )
     results["raw_tiktoken"] = {**json.loads(raw["output"]), "peak_rss_gb": raw["peak_rss_gb"]}
     runs = {"jsonl": "corpus.jsonl", "parquet": "corpus.parquet", "half_jsonl": "half.jsonl"}
     runs["half_parquet"] = "half.parquet"
     for name, dataset in runs.items():
-        results[f"prepare_{name}"] = prepare(corpus / dataset, shards / name, tokenizer)
+        results[f"prepare_{name}"] = prepared(corpus / dataset, shards / name, tokenizer)
 
     raw = results["raw_tiktoken"]
     raw_rate = raw["tokens"] / raw["encode_seconds"]

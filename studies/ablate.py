@@ -1,9 +1,9 @@
 """Controlled ablations of the three flags: every variant x position kind x seed, then verdicts, a report
 and figures.
 
-    python ablate.py configs/ablate_cpu.toml               # the confirmatory CPU study, 2 cores, ~100 min
-    python ablate.py configs/ablate_cpu.toml --seeds=5 --max_iters=400 --n_layer=6
-    python ablate.py configs/import_leak_cpu.toml          # the import-leak study, 2-core CPU
+    python -m studies.ablate configs/ablate_cpu.toml               # the confirmatory CPU study, 2 cores, ~100 min
+    python -m studies.ablate configs/ablate_cpu.toml --seeds=5 --max_iters=400 --n_layer=6
+    python -m studies.ablate configs/import_leak_cpu.toml          # the import-leak study, 2-core CPU
 
 The config file holds train.py keys plus an [ablate] table (the study's settings, listed by --help); any
 key of either can be overridden after it as --key=value. Every run of a study uses the same data and
@@ -50,9 +50,7 @@ import numpy as np
 import torch
 
 import data
-import import_leak
-import run_infra
-import stats
+import run_folder
 import train
 from config import (
     Config,
@@ -66,8 +64,10 @@ from config import (
     setting,
     settings_from,
 )
-from data import IGNORE_INDEX
 from model import GPT
+from prepare import prepare_for
+from studies import import_leak, stats
+from studies.scoring import score_rows
 
 POSITION_KINDS = ("learned", "rope")
 VARIANTS = {  # name: the train.py settings it changes from the reference
@@ -156,7 +156,9 @@ STUDY_KEYS = tuple(f.name for f in dataclasses.fields(Study))
 def parse_args(argv: list[str]) -> tuple[Study, list[str]]:
     """(study settings, train.py arguments) from a TOML file and --key=value overrides of either."""
     if not argv or argv[0].startswith("--"):
-        raise ConfigError("usage: python ablate.py CONFIG.toml [--key=value ...] (python ablate.py --help)")
+        raise ConfigError(
+            "usage: python -m studies.ablate CONFIG.toml [--key=value ...] (python -m studies.ablate --help)"
+        )
     values = read_config_file(Path(argv[0]))
     table = values.pop("ablate", {})
     if not isinstance(table, dict):
@@ -165,7 +167,7 @@ def parse_args(argv: list[str]) -> tuple[Study, list[str]]:
     table.update({k: v for k, v in overrides.items() if k in STUDY_KEYS})
     values.update({k: v for k, v in overrides.items() if k not in STUDY_KEYS})
     try:
-        study = settings_from(Study, table, "python ablate.py --help")
+        study = settings_from(Study, table, "python -m studies.ablate --help")
     except ConfigError as e:
         raise ConfigError(f"[ablate] {e}") from None
     study.validate()
@@ -217,7 +219,7 @@ def run_order(seeds: dict[tuple[str, str], list[int]]) -> list[tuple[str, str, i
 
 def pad_steps_factor(cfg: Config) -> float:
     """How many more steps a pad run needs to see as many real tokens as a packed run."""
-    shards = data.load_shards(train.prepare_data(cfg))
+    shards = data.load_shards(prepare_for(cfg))
     _, n_real, _ = data.pad_rows(shards.train, shards.eot_id, cfg.seq_len)
     return cfg.seq_len / float(np.minimum(n_real, cfg.seq_len).mean())
 
@@ -225,10 +227,11 @@ def pad_steps_factor(cfg: Config) -> float:
 def packing_regime(shards: data.Shards, seq_len: int, max_rows: int = 4096) -> dict:
     """How much packing matters at this seq_len: documents per training row (counting a document cut
     by the row's start or end) and the fraction of tokens that can see another document without the mask."""
-    starts, n_real, _ = data.concat_rows(len(shards.train), seq_len)
-    chosen = np.linspace(0, len(starts) - 1, min(max_rows, len(starts))).astype(int)
-    batch = data.make_batch(shards.train, starts[chosen], n_real[chosen], seq_len, shards.eot_id)
-    lengths = np.diff(np.r_[0, data.eot_positions(shards.train, shards.eot_id) + 1])
+    rows, n_real, _ = data.concat_rows(len(shards.train), seq_len)
+    chosen = np.linspace(0, len(rows) - 1, min(max_rows, len(rows))).astype(int)
+    batch = data.make_batch(shards.train, rows[chosen], n_real[chosen], seq_len, shards.eot_id)
+    starts, ends = data.document_bounds(shards.train, shards.eot_id)
+    lengths = ends - starts
     return {
         "documents_per_row": float((batch.doc_ids.max(1).values + 1).float().mean()),
         "tokens_seeing_another_document": float((batch.doc_ids > 0).float().mean()),
@@ -270,8 +273,7 @@ def leading_stream(val: data.TokenStream, eot_id: int, n_docs: int, seq_len: int
 def probe_documents(val: np.ndarray, eot_id: int, n_docs: int, window: int) -> tuple[list[np.ndarray], np.ndarray]:
     """The first n_docs validation documents (their first `window` tokens plus one), and a stream of
     later ones to fill rows with."""
-    ends = np.flatnonzero(val == eot_id) + 1
-    starts = np.concatenate([[0], ends[:-1]])
+    starts, ends = data.document_bounds(val, eot_id)
     docs = [val[s : min(e, s + window + 1)].astype(np.int64) for s, e in zip(starts, ends) if e - s >= 2]
     if len(docs) < n_docs + 2:
         raise data.DataError(
@@ -285,23 +287,12 @@ def probe_documents(val: np.ndarray, eot_id: int, n_docs: int, window: int) -> t
 def doc_loss_in_rows(
     model: GPT, cfg: Config, eot_id: int, prefixes: list[np.ndarray], docs: list[np.ndarray], device: torch.device
 ) -> float:
-    """Mean loss over the documents' own targets, each document after its prefix in one row, with the
-    run's position and loss settings (its doc_mask is in the model)."""
-    total, count = 0.0, 0
-    for i in range(0, len(docs), 32):
-        rows = [np.concatenate([p, d]) for p, d in zip(prefixes[i : i + 32], docs[i : i + 32])]
-        length = max(len(row) for row in rows) - 1  # rows as long as needed: causal, so nothing changes
-        b = data.batch_of_rows(rows, length, eot_id, flags=cfg.flags)
-        own = torch.zeros_like(b.targets, dtype=torch.bool)
-        for r, (p, d) in enumerate(zip(prefixes[i : i + 32], docs[i : i + 32])):
-            own[r, len(p) : len(p) + len(d) - 1] = True  # targets inside the document, predicted from it
-        b = b.to(device)
-        b.targets = b.targets.masked_fill(~own.to(device), IGNORE_INDEX)
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            losses, counted = train.token_losses(model, b, model.config)
-        total += losses.sum().item()
-        count += int(counted.sum())
-    return total / count
+    """Mean loss over the documents' own targets, each document after its prefix in one row, under the
+    run's flags."""
+    rows = [np.concatenate([p, d]) for p, d in zip(prefixes, docs)]
+    own = [(len(p), len(p) + len(d) - 1) for p, d in zip(prefixes, docs)]  # targets inside the document
+    sums, counts = score_rows(model, cfg.flags, eot_id, rows, own, device)
+    return float(sums.sum() / counts.sum())
 
 
 def probe_inputs(
@@ -320,7 +311,7 @@ def run_probes(out_dir: Path, cfg: Config, n_docs: int, offsets: list[int]) -> d
     """The probe documents' loss after k tokens of other documents (the last of them an EOT; k = 1 is the
     EOT alone), and after one unrelated document and its EOT."""
     device = resolve_device(cfg.device)
-    model, _, checkpoint = run_infra.load_run(out_dir, device)
+    model, _, checkpoint = run_folder.load_run(out_dir, device)
     shards = data.load_shards(Path(checkpoint["shards"]))
     docs, filler, unrelated = probe_inputs(shards, n_docs, cfg.seq_len, offsets)
     offset_loss = {}
@@ -392,12 +383,12 @@ def run_one(cfg: Config, study: Study, decided: dict, offsets: list[int]) -> dic
     if done.exists():
         return json.loads(done.read_text())["result"]
     out.mkdir(parents=True, exist_ok=True)
-    run_infra.write_atomically(started, json.dumps({"decided_by": decided}))
+    run_folder.write_atomically(started, json.dumps({"decided_by": decided}))
     cfg.resume = (out / "ckpt.pt").exists()  # a run interrupted earlier continues from its checkpoint
     train.train(cfg)
-    if run_infra.read_checkpoint(out / "ckpt.pt")["step"] != cfg.max_iters:
+    if run_folder.read_checkpoint(out / "ckpt.pt")["step"] != cfg.max_iters:
         raise StudyStopped(f"stopped during {out}; run the same command again to continue the study")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [record for _, record in run_folder.read_metrics(out / "metrics.jsonl")]
     train_records = [r for r in records if "train_loss" in r]
     evals = [r for r in records if "val_doc_loss" in r]
     result = {
@@ -406,12 +397,13 @@ def run_one(cfg: Config, study: Study, decided: dict, offsets: list[int]) -> dic
         "wall_seconds": training_seconds(train_records, cfg.batch_size * cfg.grad_accum * cfg.seq_len),
         "useful_tokens_per_sec": float(np.mean([r["counted_tokens_per_sec"] for r in train_records])),
         "steps": cfg.max_iters,
+        "trained_at_commit": code_commit(),
         **run_probes(out, cfg, study.probe_docs, offsets),
     }
     if study.import_leak:
         result["import_leak"] = import_leak.probe_run(out, resolve_device(cfg.device), study.leak_pairs)
     # a run counts as finished only once its probes are written
-    run_infra.write_atomically(done, json.dumps({"result": result, "decided_by": decided}))
+    run_folder.write_atomically(done, json.dumps({"result": result, "decided_by": decided}))
     return result
 
 
@@ -476,7 +468,10 @@ def summarise(runs: dict, study: Study, offsets: list[int]) -> dict:
                 reference = [ref[s][name] for s in seeds] if paired else None
                 if (paired and predicted_invariant(pos, variant)) or (not paired and probes_invariant(pos, variant)):
                     verdict, worst, bitwise = stats.invariance(own, reference, study.invariance_tolerance)
-                    entry.update(role="invariant", verdict=verdict, max_abs_difference=worst, bitwise=bitwise)
+                    bound = stats.paired_effect(own, reference).bound()  # how far from 0, if not within tolerance
+                    entry.update(
+                        role="invariant", verdict=verdict, max_abs_difference=worst, bitwise=bitwise, bound=bound
+                    )
                 else:
                     effect = stats.paired_effect(own, reference)
                     primary = PRIMARY_ENDPOINT.get(variant) == name
@@ -495,9 +490,23 @@ def summarise(runs: dict, study: Study, offsets: list[int]) -> dict:
             for name in ("val_loss", "wall_seconds", "useful_tokens_per_sec"):
                 own = [by_seed[s][name] for s in seeds]
                 cell["endpoints"][name] = {"values": own, "mean_sd": stats.mean_spread(own)}
+            if "import_leak" in by_seed[seeds[0]]:
+                cell["leak_growth"] = leak_growth([by_seed[s]["import_leak"] for s in seeds])
             cells[f"{pos}/{variant}"] = cell
     decide_primary(cells)
     return cells
+
+
+def leak_growth(probes: list[dict]) -> dict:
+    """Per (files before B, tokens kept after each import): Δ log P(import m), mean and sd over seeds; and
+    the sampled leak rates with the file before and alone."""
+    growth = {}
+    for key in probes[0]["logprob"]:
+        deltas = [p["logprob"][key]["delta_logprob"] for p in probes]
+        growth[key] = None if None in deltas else stats.mean_spread(deltas)
+    for when in ("after", "alone"):
+        growth[f"sampled_{when}"] = stats.mean_spread([p["sampling"][f"leak_rate_{when}"] for p in probes])
+    return growth
 
 
 def decide_primary(cells: dict) -> None:
@@ -516,7 +525,8 @@ def decide_primary(cells: dict) -> None:
         entry["verdict"] = stats.primary_verdict(effect, difference[key], equivalence[key])
 
 
-def environment() -> dict:
+def code_commit() -> str:
+    """The commit of the code that runs, with a mark when the tracked files differ from it."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
@@ -527,9 +537,13 @@ def environment() -> dict:
             text=True,
             cwd=Path(__file__).parent,
         ).stdout.strip()
-        commit = (commit + ("+uncommitted changes" if dirty else "")) or "unknown"
+        return (commit + ("+uncommitted changes" if dirty else "")) or "unknown"
     except OSError:
-        commit = "unknown"
+        return "unknown"
+
+
+def environment() -> dict:
+    commit = code_commit()
     if torch.cuda.is_available():
         hardware = torch.cuda.get_device_name()
     else:
@@ -540,7 +554,7 @@ def environment() -> dict:
         "hardware": hardware,
         "torch": torch.__version__,
         "commit": commit,
-        "command": "python " + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": " ".join(["python -m studies.ablate", *sys.argv[1:]]),
     }
 
 
@@ -563,7 +577,9 @@ def describe_effect(entry: dict) -> str:
     """One cell of a table: the effect, its interval and what it says."""
     if entry["role"] == "invariant":
         how = "bitwise" if entry["bitwise"] else f"max \\|Δ\\| {entry['max_abs_difference']:.1e}"
-        return f"{entry['verdict']} ({how})"
+        if entry["verdict"] == "invariant":
+            return f"invariant ({how})"
+        return f"not invariant within the tolerance ({how}; \\|Δ\\| < {entry['bound']:.4f})"
     low, high = entry["ci95"] if entry["role"] == "primary" else entry["ci90"]
     interval = "" if not math.isfinite(low) else f" [{low:+.3f}, {high:+.3f}]"
     if entry["role"] == "primary":
@@ -584,7 +600,8 @@ def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cf
         "# Ablation results",
         "",
         f"- command: `{env['command']}`",
-        f"- hardware: {env['hardware']}, torch {env['torch']}, commit {env['commit']}",
+        f"- hardware: {env['hardware']}, torch {env['torch']}; runs trained at commit "
+        f"{extra['trained_at']}, this report written at commit {env['commit']}",
         f"- model: {cfg.n_layer} layers, {cfg.n_embd} wide, {cfg.n_head} heads; data: {cfg.dataset}, tokenizer "
         f"{cfg.tokenizer} {cfg.tokenizer_vocab_size}; each packed run {cfg.max_iters} steps of "
         f"{cfg.batch_size * cfg.grad_accum} x {cfg.seq_len} tokens"
@@ -682,6 +699,26 @@ def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cf
             f"| {ms(e['middle']['mean_sd'])} | {ms(e['val_loss']['mean_sd'])} | {e['wall_seconds']['mean_sd'][0]:.1f} "
             f"| {e['useful_tokens_per_sec']['mean_sd'][0]:,.0f} |"
         )
+    leaks = {key: cell["leak_growth"] for key, cell in summary.items() if "leak_growth" in cell}
+    if leaks:
+        settings = [k for k in next(iter(leaks.values())) if k.startswith("k=")]
+        lines += [
+            "",
+            "## Import leak",
+            "",
+            "Pairs (A, B) of validation files where A imports a module m that B never mentions "
+            "(studies/import_leak.py). Δ log P(`import m` or `from m import`) at B's first import with k files "
+            "importing m before B (each cut after that import, or with `extra` more of its tokens), minus B alone; "
+            "and the share of import lines sampled there that name a module of the file before, with it before "
+            "and alone. Mean ± sd over seeds.",
+            "",
+            "| cell | " + " | ".join(k.replace(",", ", ") for k in settings) + " | sampled: before | alone |",
+            "|" + " --- |" * (3 + len(settings)),
+        ]
+        for key, growth in leaks.items():
+            cells = ["" if growth[k] is None else ms(growth[k]) for k in settings]
+            sampled = f"{growth['sampled_after'][0]:.1%} | {growth['sampled_alone'][0]:.1%}"
+            lines.append(f"| {key} | " + " | ".join(cells) + f" | {sampled} |")
     return "\n".join(lines) + "\n"
 
 
@@ -796,11 +833,8 @@ def main(argv: list[str]) -> int:
         if base.max_iters < 1:
             raise ConfigError("max_iters must be at least 1 for a study")
         out = Path(study.out_dir)
-        try:  # before any work: the study ends by writing its report here
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"out_dir {out} cannot be a folder ({e.strerror})") from None
-        shard_path = train.prepare_data(base)
+        run_folder.check_writable_folder(out, "out_dir")  # before any work: the study ends by writing its report here
+        shard_path = prepare_for(base)
         shards = data.load_shards(shard_path)
         pad_factor = pad_steps_factor(base)
         regime = packing_regime(shards, base.seq_len)
@@ -826,12 +860,12 @@ def main(argv: list[str]) -> int:
             trained += fresh
             if fresh:
                 remaining = sum(1 for *_, c, _ in planned[i + 1 :] if not (Path(c.out_dir) / "result.json").exists())
-                eta = data.format_duration((time.time() - t0) / trained * remaining)
+                eta = run_folder.format_duration((time.time() - t0) / trained * remaining)
                 print(f"=== study: {i + 1}/{len(planned)} runs done, ETA {eta}", flush=True)
     except StudyStopped as e:
         print(e)
         return 0
-    except (ConfigError, data.DataError, train.TrainingDiverged, run_infra.SaveFailed) as e:
+    except (ConfigError, data.DataError, train.TrainingDiverged, run_folder.SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C, or one outside training (the probes)
@@ -839,7 +873,7 @@ def main(argv: list[str]) -> int:
         return 130
     try:
         write_report(runs, study, offsets, base, regime, pad_factor, out)
-    except run_infra.SaveFailed as e:
+    except run_folder.SaveFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
@@ -850,11 +884,19 @@ def write_report(runs: dict, study: Study, offsets: list[int], base: Config, reg
     summary = summarise(runs, study, offsets)
     env = environment()
     wall = sum(r["wall_seconds"] for kinds in runs.values() for cell in kinds.values() for r in cell.values())
-    extra = {"regime": regime, "pad_steps_factor": pad_factor, "wall": f"{wall / 60:.0f} min of training steps"}
+    commits = sorted(
+        {r.get("trained_at_commit", "not recorded") for k in runs.values() for c in k.values() for r in c.values()}
+    )
+    extra = {
+        "regime": regime,
+        "pad_steps_factor": pad_factor,
+        "wall": f"{wall / 60:.0f} min of training steps",
+        "trained_at": ", ".join(commits),
+    }
     report = format_report(summary, env, study, offsets, base, extra)
     everything = {"environment": env, "study": dataclasses.asdict(study), "probe_offsets": offsets, **extra}
-    run_infra.write_atomically(out / "results.json", json.dumps({**everything, "summary": summary, "runs": runs}))
-    run_infra.write_atomically(out / "results.md", report)
+    run_folder.write_atomically(out / "results.json", json.dumps({**everything, "summary": summary, "runs": runs}))
+    run_folder.write_atomically(out / "results.md", report)
     plot(runs, summary, study, offsets, out)
     print("\n" + report)
     leak_figure = ", import_leak.png" if study.import_leak else ""

@@ -1,18 +1,20 @@
-"""Run infrastructure: everything around the recipe in train.py that makes a run safe to stop, resume
-and share. The run folder and its lock, checkpoints (written atomically, with every process's RNG state
-and the tokenizer, so a run folder stands alone), loading a trained model back, the metrics log, stop
-signals, and the helpers for several processes (torchrun).
+"""The run folder: everything around the recipe in train.py that makes a run safe to stop, resume and
+share. The folder's lock, atomic writes, checkpoints (with every process's RNG state and the tokenizer, so
+a run folder stands alone), loading a trained model back, the metrics log, stop signals, and the helpers
+for several processes (torchrun). Preparation (prepare.py) uses its lock and writable-folder check too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import random
 import signal
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -32,27 +34,79 @@ class SaveFailed(Exception):
 
 
 # ----------------------------------------------------------------------------------------------
+# Folders that survive interrupts
+
+
+@contextmanager
+def exclusive_lock(path: Path, on_busy: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on `path` for the with-block; the OS drops it if the process dies. If another
+    process holds it: call on_busy(its pid) and wait, or without on_busy raise BlockingIOError(its pid)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            if on_busy is None:
+                raise BlockingIOError(holder) from None
+            on_busy(holder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def check_writable_folder(folder: Path, what: str) -> None:
+    """Make `folder` if needed and check that a file can be written in it (ConfigError otherwise)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{what} {folder} is not a writable folder ({e.strerror})") from None
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write a results file through a temporary file renamed over it: an interrupt or a full disk leaves the
+    previous version (or none), never half a file; a failure is one line (SaveFailed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise SaveFailed(f"could not write {path} ({e.strerror or e})") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
 # The run folder and the machine
 
 
 @contextmanager
-def run_folder(cfg: Config):
+def hold(cfg: Config):
     """Hold out_dir for the run's lifetime: refuse a folder that another run is using (a lock that the
     OS drops if that run dies) or that holds a finished run this one would replace."""
     out_dir = Path(cfg.out_dir)
     ckpt = out_dir / "ckpt.pt"
     if cfg.resume and not ckpt.is_file():
         raise ConfigError(f"resume=true but {ckpt} does not exist; start without --resume=true")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"out_dir {out_dir} is not writable ({e.strerror})") from None
+    check_writable_folder(out_dir, "out_dir")
     with ExitStack() as held:
         try:
-            held.enter_context(data.exclusive_lock(out_dir / ".lock"))
+            held.enter_context(exclusive_lock(out_dir / ".lock"))
         except BlockingIOError as e:
             raise ConfigError(
                 f"{out_dir} is in use by another run (process {e.args[0]}); wait for it or pick another out_dir"
@@ -140,21 +194,6 @@ def save_checkpoint(path: Path, state: dict) -> None:
         reason = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0]
         raise SaveFailed(f"could not save the checkpoint {path} ({reason}); the previous checkpoint is kept") from None
     except BaseException:  # a second Ctrl-C while saving: the previous checkpoint stays, nothing half-written
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write a results file through a temporary file renamed over it: an interrupt or a full disk leaves the
-    previous version (or none), never half a file; a failure is one line (SaveFailed)."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise SaveFailed(f"could not write {path} ({e.strerror or e})") from None
-    except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
@@ -249,7 +288,8 @@ def set_rng_states(states: dict) -> None:
 
 def trained_model(state: dict, device: torch.device, attn_impl: str | None = None) -> GPT:
     """The model of a checkpoint, in eval mode; attn_impl overrides the attention it trained with."""
-    config = GPTConfig(**state["model_config"])
+    known = {f.name for f in dataclasses.fields(GPTConfig)}  # checkpoints of earlier versions held doc_mask here
+    config = GPTConfig(**{k: v for k, v in state["model_config"].items() if k in known})
     if attn_impl is not None:
         config.attn_impl = attn_impl
     model = GPT(config)
@@ -259,12 +299,8 @@ def trained_model(state: dict, device: torch.device, attn_impl: str | None = Non
 
 def checkpoint_tokenizer(state: dict) -> tiktoken.Encoding:
     """The tokenizer a checkpoint was trained with, stored in it so a run folder stands alone."""
-    if "tokenizer" not in state:  # written before checkpoints held their tokenizer
-        if not (Path(state["shards"]) / "tokenizer.tiktoken").is_file():
-            raise ConfigError(f"this checkpoint's tokenizer was beside its shards, {state['shards']}, which are gone")
-        return data.load_tokenizer(Path(state["shards"]))
     tok = state["tokenizer"]
-    return data.encoding_from_file_bytes(tok["file"], tok["pattern"], tok["name"])
+    return data.read_tiktoken(tok["file"], tok["pattern"], tok["name"], "the checkpoint's tokenizer")
 
 
 class TrainedRun(NamedTuple):
@@ -284,6 +320,27 @@ def load_run(out_dir: Path, device: torch.device, attn_impl: str | None = None) 
 # The metrics log and stop signals
 
 
+def read_metrics(path: Path) -> list[tuple[str, dict]]:
+    """(line, record) of each line of a metrics.jsonl. A last line cut short (a kill while it was written)
+    is dropped with a warning; damage anywhere else is one line."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    out = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError
+        except ValueError:
+            if number == len(lines):
+                print(f"warning: {path}: its last line was cut short; dropped it", file=sys.stderr)
+                break
+            raise ConfigError(
+                f"{path}:{number} is not a metrics record: the log is damaged; move it away to resume with a new log"
+            ) from None
+        out.append((line, record))
+    return out
+
+
 class MetricsLog:
     """out_dir/metrics.jsonl, plus wandb when asked for, and the progress lines: each training record
     carries the throughput since the previous one (evaluations excluded) and the ETA. Its clock starts
@@ -301,7 +358,7 @@ class MetricsLog:
         if resume_step is None:
             self.path.write_text("")
         else:  # drop what was logged after the checkpoint, so the log reads as one run
-            kept = [line for line, record in self.records() if record["step"] <= resume_step]
+            kept = [line for line, record in read_metrics(self.path) if record["step"] <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         if cfg.wandb:
             try:
@@ -320,27 +377,6 @@ class MetricsLog:
                     "set WANDB_MODE=offline to log without an account",
                     file=sys.stderr,
                 )
-
-    def records(self) -> list[tuple[str, dict]]:
-        """(line, record) of each line logged so far. A last line cut short (a kill while it was written) is
-        dropped with a warning; damage anywhere else stops with one line."""
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
-        out = []
-        for number, line in enumerate(lines, 1):
-            try:
-                record = json.loads(line)
-                if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                    raise ValueError
-            except ValueError:
-                if number == len(lines):
-                    print(f"warning: {self.path}: its last line was cut short; dropped it", file=sys.stderr)
-                    break
-                raise ConfigError(
-                    f"{self.path}:{number} is not a metrics record: the log is damaged; move it away to resume "
-                    "with a new log"
-                ) from None
-            out.append((line, record))
-        return out
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -371,7 +407,7 @@ class MetricsLog:
         self.write(record)
         print(
             f"step {step:>5}/{self.max_iters} | loss {record['train_loss']:.4f} | lr {lr:.2e} | "
-            f"{tok_s:,.0f} tok/s | ETA {data.format_duration(eta)}",
+            f"{tok_s:,.0f} tok/s | ETA {format_duration(eta)}",
             flush=True,
         )
         self.t_log, self.step_at_log, self.counted_since_log = time.time(), step, 0

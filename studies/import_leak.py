@@ -1,8 +1,8 @@
 """The import-leak probe: completing a Python file, does the model suggest the imports of the files that
 came before it in the row? The failure that the document mask exists to prevent, measured directly.
 
-    python import_leak.py --out_dir=out/run              # a run folder trained on whole Python files
-    python import_leak.py --out_dir=out/run --pairs=128 --samples=16
+    python -m studies.import_leak --out_dir=out/run              # a run folder trained on whole Python files
+    python -m studies.import_leak --out_dir=out/run --pairs=128 --samples=16
 
 From held-out documents of the run's corpus it forms pairs (A, B): A imports a module m that B never
 mentions. B is cut just before its first import statement. Under the run's own settings (its attention
@@ -34,12 +34,13 @@ import tiktoken
 import torch
 
 import data
-import run_infra
+import run_folder
 import train
 from config import ArgumentParser, Config, ConfigError, expanded_path, resolve_device, run_main
-from data import IGNORE_INDEX, Flags
+from data import Flags
 from model import GPT, attention_mask
-from stats import paired_effect
+from studies.scoring import score_rows
+from studies.stats import paired_effect
 
 IMPORT_LINE = re.compile(r"(?:import|from)[ \t]+([A-Za-z_]\w*)")
 PRECEDING_FILES = (1, 2, 4)  # k: files that import m before B
@@ -164,19 +165,9 @@ def continuation_logprobs(
     model: GPT, flags: Flags, eot_id: int, rows: list[tuple[np.ndarray, np.ndarray]], device: torch.device
 ) -> np.ndarray:
     """log P(continuation | row start) for each (row start, continuation), under the run's settings."""
-    out = []
-    for i in range(0, len(rows), 32):
-        chunk = [np.concatenate([s, c]) for s, c in rows[i : i + 32]]
-        length = max(len(row) for row in chunk) - 1  # rows as long as needed: causal, so nothing changes
-        batch = data.batch_of_rows(chunk, length, eot_id, flags=flags)
-        scored = torch.zeros_like(batch.targets, dtype=torch.bool)
-        for r, (start, continuation) in enumerate(rows[i : i + 32]):
-            scored[r, len(start) - 1 : len(start) + len(continuation) - 1] = True  # targets: the continuation
-        batch.targets = batch.targets.masked_fill(~scored, IGNORE_INDEX)
-        with torch.no_grad():
-            losses, _ = train.token_losses(model, batch.to(device), model.config)
-        out.append(-losses.sum(1).double().cpu().numpy())
-    return np.concatenate(out)
+    laid_out = [np.concatenate([start, continuation]) for start, continuation in rows]
+    targets = [(len(start) - 1, len(start) + len(continuation) - 1) for start, continuation in rows]
+    return -score_rows(model, flags, eot_id, laid_out, targets, device)[0]
 
 
 def import_logprob(model: GPT, flags: Flags, eot_id: int, pairs: list[LeakPair], device: torch.device) -> dict:
@@ -222,7 +213,9 @@ def sample_import_lines(
             break
         length = max(len(rows[r]) for r in open_rows)  # as long as needed: causal, so nothing changes
         batch = data.batch_of_rows([np.array(rows[r]) for r in open_rows], length, eot, flags=flags).to(device)
-        logits = model(batch.inputs, batch.position_ids, attention_mask(batch.doc_ids, model.config))
+        mask = attention_mask(batch.doc_ids, batch.doc_mask, model.config.attn_impl)
+        with train.autocast(device):
+            logits = model(batch.inputs, batch.position_ids, mask)
         last = torch.tensor([len(rows[r]) - 1 for r in open_rows], device=device)
         probs = torch.softmax(logits[torch.arange(len(open_rows), device=device), last].float(), dim=-1)
         probs[:, enc.n_vocab :] = 0  # padded vocabulary slots
@@ -297,12 +290,11 @@ def probe(
 
 def probe_run(out_dir: Path, device: torch.device, n_pairs: int = 64, samples: int = 8) -> dict:
     """The probe on a run folder's model, under its settings, with pairs from its validation split."""
-    model, enc, checkpoint = run_infra.load_run(out_dir, device)
+    model, enc, checkpoint = run_folder.load_run(out_dir, device)
     flags = Config(**checkpoint["config"]).flags
     shards = data.load_shards(Path(checkpoint["shards"]))
     val = data.leading_documents(shards.val, shards.eot_id, VAL_TOKENS)[:]
-    ends = data.eot_positions(val, shards.eot_id) + 1
-    texts = [enc.decode(val[s : e - 1].tolist()) for s, e in zip(np.r_[0, ends[:-1]], ends)]
+    texts = [enc.decode(val[s : e - 1].tolist()) for s, e in zip(*data.document_bounds(val, shards.eot_id))]
     pairs = find_pairs(texts, enc, n_pairs)
     if len(pairs) < 2:
         raise data.DataError(
@@ -355,8 +347,8 @@ def main(argv: list[str]) -> int:
         return 1
     print(format_table(result))
     try:
-        run_infra.write_atomically(Path(args.out_dir) / "import_leak.json", json.dumps(result, indent=1))
-    except run_infra.SaveFailed as e:
+        run_folder.write_atomically(Path(args.out_dir) / "import_leak.json", json.dumps(result, indent=1))
+    except run_folder.SaveFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -1,7 +1,7 @@
 """Benchmark attention variants for packed documents, side by side in one run.
 
-    python bench.py                       # GPU: GPT-2 small at seq_len 1024, 4096, 8192; CPU: a small size
-    python bench.py --seq_lens=1024 --tokens=32768 --layouts=synthetic --pos_embs=learned,rope
+    python -m studies.bench                     # GPU: GPT-2 small at seq_len 1024, 4096, 8192; CPU: a small size
+    python -m studies.bench --seq_lens=1024 --tokens=32768 --layouts=synthetic --pos_embs=learned,rope
 
 For each size, document layout and position kind, every variant runs (1) the real training step
 (forward, backward, AdamW; train.py's loss function, with the attention mask built outside the compiled
@@ -45,12 +45,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import corpora
 import data
 import model as model_module
-import run_infra
+import run_folder
 import train
 from config import ArgumentParser, ConfigError, expanded_path, run_main
-from data import IGNORE_INDEX, Batch
+from data import Batch
 from model import (
     FLEX_KERNEL_OPTIONS,
     GPT,
@@ -124,7 +125,7 @@ def doc_ids_for_layout(layout: str, batch_size: int, seq_len: int, doc_len: int,
 
 @lru_cache(maxsize=1)
 def _corpus_documents() -> list[str]:
-    return list(data.stdlib_documents(split_definitions=True))
+    return list(corpora.stdlib_documents(split_definitions=True))
 
 
 def ideal_speedup(doc_ids: torch.Tensor) -> float:
@@ -151,7 +152,7 @@ class CausalReference(torch.nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.gpt = GPT(dataclasses.replace(config, pos_emb="learned", doc_mask=False, attn_impl="sdpa"))
+        self.gpt = GPT(dataclasses.replace(config, pos_emb="learned", attn_impl="sdpa"))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         g = self.gpt
@@ -162,20 +163,17 @@ class CausalReference(torch.nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def synthetic_batch(doc_ids: torch.Tensor, vocab_size: int) -> Batch:
-    """Random tokens laid out in the given documents: positions restart at each document and the target
-    after each document's last token is not counted, as data.make_batch does for real data."""
+def synthetic_batch(doc_ids: torch.Tensor, vocab_size: int, doc_mask: bool = True) -> Batch:
+    """Random tokens laid out in the given documents, each ending in an EOT (the vocabulary's last id),
+    batched by data.make_batch: the same rules as real data."""
     B, T = doc_ids.shape
-    g = torch.Generator(device="cpu").manual_seed(0)
-    tokens = torch.randint(0, vocab_size, (B, T + 1), generator=g).to(doc_ids.device)
-    slot = torch.arange(T, device=doc_ids.device).expand(B, T)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    positions = slot - torch.where(starts, slot, 0).cummax(dim=1).values
-    ends = torch.zeros_like(starts)
-    ends[:, :-1] = starts[:, 1:]
-    targets = tokens[:, 1:].masked_fill(ends, IGNORE_INDEX)
-    return Batch(tokens[:, :-1].contiguous(), targets, doc_ids, positions, positions)
+    eot = vocab_size - 1
+    tokens = np.random.default_rng(0).integers(0, eot, (B, T + 1))
+    ends = doc_ids[:, 1:].cpu().numpy() != doc_ids[:, :-1].cpu().numpy()  # slot t ends its document
+    tokens[:, : T - 1][ends] = eot
+    starts = np.arange(B) * (T + 1)
+    batch = data.make_batch(tokens.reshape(-1), starts, np.full(B, T + 1), T, eot, flags=data.Flags(doc_mask=doc_mask))
+    return batch.to(doc_ids.device)
 
 
 def bench_training_step(
@@ -187,18 +185,18 @@ def bench_training_step(
     flex = variant.startswith("flex")
     if flex and device.type != "cuda":
         return {"skipped": "FlexAttention has no backward on CPU"}
-    cfg = dataclasses.replace(config, doc_mask=variant != "sdpa_causal", attn_impl="flex" if flex else "sdpa")
+    cfg = dataclasses.replace(config, attn_impl="flex" if flex else "sdpa")
     doc = torch.zeros_like(doc_ids) if variant == "flex_causal" else doc_ids  # one document: a causal BlockMask
-    batch = synthetic_batch(doc, cfg.vocab_size)
+    batch = synthetic_batch(doc, cfg.vocab_size, doc_mask=variant != "sdpa_causal")
     torch.manual_seed(0)
     model = CausalReference(cfg).to(device) if variant == "reference_causal" else GPT(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    precision = train.autocast(device)
     compiled = torch.compile(model) if device.type == "cuda" else model
     n_counted = batch.counted.sum()
 
     def step():
-        with autocast:
+        with precision:
             if variant == "reference_causal":
                 loss = compiled(batch.inputs, batch.inputs)  # targets: any tokens do
             else:
@@ -353,13 +351,13 @@ def main(argv: list[str]) -> int:
     base = GPTConfig(vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     try:
         for seq_len in seq_lens:
-            run_infra.check_fits(dataclasses.replace(base, seq_len=seq_len), max(1, args.tokens // seq_len), device)
+            run_folder.check_fits(dataclasses.replace(base, seq_len=seq_len), max(1, args.tokens // seq_len), device)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
-        run_infra.write_atomically(out, "{}")  # fails now, not after the benchmark, if it cannot be written
-    except run_infra.SaveFailed as e:
+        run_folder.write_atomically(out, "{}")  # fails now, not after the benchmark, if it cannot be written
+    except run_folder.SaveFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     peak, peak_dtype = peak_matmul_flops(device)
@@ -377,7 +375,7 @@ def main(argv: list[str]) -> int:
     }
     try:
         run_all(args, report, out, seq_lens, variants, layouts, pos_embs, option_sets, base, device, peak)
-    except run_infra.SaveFailed as e:  # a full disk or a file-size limit, after some rows: they stay in out
+    except run_folder.SaveFailed as e:  # a full disk or a file-size limit, after some rows: they stay in out
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(format_table(report["results"], args.n_layer))
@@ -427,7 +425,7 @@ def run_all(args, report, out, seq_lens, variants, layouts, pos_embs, option_set
                             row["mfu"] = row["tokens_per_sec"] * flops / peak
                             row["mfu_doc"] = row["tokens_per_sec"] * (flops - attention + attention / ideal) / peak
                         report["results"].append(row)
-                        run_infra.write_atomically(out, json.dumps(report, indent=1))
+                        run_folder.write_atomically(out, json.dumps(report, indent=1))
                         name = f"T={seq_len} {layout} {row['pos_emb']} {variant}"
                         print(f"  done: {name} {row.get('error', '')}", flush=True)
                         gc.collect()
