@@ -1,0 +1,133 @@
+"""export_hf.py: a run becomes a Hugging Face folder that transformers loads offline and that reproduces
+the run: its fp32 logits, its tokenizer's ids and its greedy generation; a transposed weight or a
+reordered head is caught; bad requests are one line."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from conftest import tiny_args
+
+import export_hf
+import run_folder
+import sample
+import train
+from config import parse_config
+
+pytestmark = pytest.mark.slow  # every test here trains a model first
+
+PROMPT = "def f(value):\n    return"
+
+
+@pytest.fixture(scope="module", params=["learned", "rope"])
+def run(request, tiny_corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"run_{request.param}")
+    args = tiny_args(tiny_corpus, tmp_path_factory.mktemp("data"), out, max_iters=30, eval_interval=30)
+    train.train(parse_config(args + [f"--pos_emb={request.param}", "--lr=1e-2", "--warmup_iters=5"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(run, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf") / "model"
+    checked = export_hf.export(run, folder)
+    return folder, checked
+
+
+def ours(run):
+    state = run_folder.read_checkpoint(run / "ckpt.pt")
+    return run_folder.trained_model(state, torch.device("cpu")), run_folder.checkpoint_tokenizer(state), state
+
+
+def test_the_folder_loads_offline_with_the_auto_classes(exported, run, monkeypatch):
+    folder, checked = exported
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= {p.name for p in folder.iterdir()}
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    pos_emb = json.loads((run / "config.json").read_text())["pos_emb"]
+    assert type(model).__name__ == {"learned": "GPT2LMHeadModel", "rope": "GPTNeoXForCausalLM"}[pos_emb]
+    _, enc, _ = ours(run)
+    assert tokenizer.eos_token_id == enc.eot_token == model.config.eos_token_id
+    card = (folder / "README.md").read_text()
+    assert "doc_mask=True" in card and "val_doc_loss" in card and "nats per token" in card
+    assert checked["max_abs_logit_difference"] <= export_hf.LOGIT_TOLERANCE and checked["tokenizer_texts"] > 10
+
+
+def test_fp32_logits_equal_the_runs_at_every_length(exported, run):
+    folder, _ = exported
+    model, enc, _ = ours(run)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for T in (1, 2, 31, model.config.seq_len):
+        ids = torch.randint(0, enc.n_vocab, (3, T), generator=torch.Generator().manual_seed(T))
+        with torch.no_grad():
+            difference = (model(ids, torch.arange(T).expand(3, T), None) - hf(input_ids=ids).logits).abs().max()
+        assert difference <= 1e-4, (T, float(difference))
+
+
+def test_the_tokenizer_gives_the_runs_ids(exported, run):
+    folder, _ = exported
+    _, enc, state = ours(run)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    texts = export_hf.validation_texts(state, enc) + ["x = 1\n" * 50, "   \n\n\t \u00a0 \u2028 end", "ÀÉÎ õü ß 𝔘𝔫𝔦"]
+    for text in texts:
+        ids = enc.encode_ordinary(text)
+        assert tokenizer.encode(text, add_special_tokens=False) == ids, text[:80]
+        assert tokenizer.decode(ids) == text
+    assert len(texts) > 20
+
+
+def test_greedy_generation_gives_the_tokens_of_sample_py(exported, run, capsys):
+    folder, _ = exported
+    model, enc, _ = ours(run)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = torch.tensor([enc.encode_ordinary(PROMPT)])
+    theirs = hf.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=enc.eot_token, pad_token_id=0)
+    mine = model.generate(prompt, 20, temperature=0, stop_token=enc.eot_token)
+    assert theirs[0].tolist() == mine[0].tolist()
+    capsys.readouterr()
+    assert sample.main([f"--out_dir={run}", f"--prompt={PROMPT}", "--temperature=0", "--max_new_tokens=20"]) == 0
+    printed = capsys.readouterr().out.split("\n", 1)[1].rstrip("\n")
+    assert printed == enc.decode([t for t in theirs[0].tolist() if t != enc.eot_token])
+
+
+@pytest.mark.parametrize("defect", ["transposed", "heads reordered"])
+def test_the_check_catches_a_transposed_weight_or_reordered_heads(run, tmp_path, monkeypatch, defect):
+    pos_emb = json.loads((run / "config.json").read_text())["pos_emb"]
+    mapping = export_hf.MAPPINGS[pos_emb]
+
+    def broken(model):
+        config, weights = mapping(model)
+        name = next(k for k in weights if k.endswith(("attn.c_attn.weight", "attention.query_key_value.weight")))
+        if defect == "transposed":  # the square output projection of layer 0
+            square = next(k for k in weights if k.endswith(("attn.c_proj.weight", "attention.dense.weight")))
+            weights[square] = weights[square].t().contiguous()
+        else:  # the first two heads' rows (or columns) swapped in the fused projection
+            w = weights[name]
+            D = model.config.n_embd // model.config.n_head
+            axis = 1 if pos_emb == "learned" else 0  # GPT-2 keeps (in, out)
+            order = torch.arange(w.shape[axis])
+            order[:D], order[D : 2 * D] = order[D : 2 * D].clone(), order[:D].clone()
+            weights[name] = w.index_select(axis, order)
+        return config, weights
+
+    monkeypatch.setitem(export_hf.MAPPINGS, pos_emb, broken)
+    with pytest.raises(export_hf.ExportError, match="logits differ"):
+        export_hf.export(run, tmp_path / "broken")
+    assert not (tmp_path / "broken").exists()
+
+
+def test_refusals_are_one_line(run, tmp_path, capsys):
+    assert export_hf.main([f"--out_dir={tmp_path / 'none'}", f"--to={tmp_path / 'x'}"]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'none' / 'ckpt.pt'} not found")
+    (tmp_path / "taken").mkdir()
+    assert export_hf.main([f"--out_dir={run}", f"--to={tmp_path / 'taken'}"]) == 1
+    assert "exists: give another --to, or --overwrite=true" in capsys.readouterr().err
+    state = torch.load(run / "ckpt.pt", weights_only=False)
+    state["model_config"]["pos_emb"] = "alibi"
+    (tmp_path / "odd").mkdir()
+    torch.save(state, tmp_path / "odd" / "ckpt.pt")
+    assert export_hf.main([f"--out_dir={tmp_path / 'odd'}", f"--to={tmp_path / 'y'}"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pos_emb='alibi' has no Hugging Face mapping" in err
