@@ -159,7 +159,7 @@ def merges_of(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def hf_tokenizer(enc: tiktoken.Encoding):
+def hf_tokenizer(enc: tiktoken.Encoding, context: int):
     """A transformers fast tokenizer with the same vocabulary, merges and split pattern as `enc`."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -188,7 +188,7 @@ def hf_tokenizer(enc: tiktoken.Encoding):
         tokenizer_object=tokenizer,
         eos_token=EOT_TEXT,
         bos_token=EOT_TEXT,
-        model_max_length=None,
+        model_max_length=context,
         split_special_tokens=True,  # a literal "<|endoftext|>" in text is text, as the run encoded it
         clean_up_tokenization_spaces=False,
     )
@@ -237,7 +237,7 @@ def export(out_dir: Path, to: Path, overwrite: bool = False) -> dict:
     model = run_folder.trained_model(state, torch.device("cpu"), attn_impl="sdpa").float()
     enc = run_folder.checkpoint_tokenizer(state)
     config, weights = MAPPINGS[pos_emb](model)
-    config.update(bos_token_id=enc.eot_token, eos_token_id=enc.eot_token, torch_dtype="float32")
+    config.update(bos_token_id=enc.eot_token, eos_token_id=enc.eot_token, dtype="float32")
     tmp = to.with_name(f".{to.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -246,7 +246,8 @@ def export(out_dir: Path, to: Path, overwrite: bool = False) -> dict:
         tmp.mkdir(parents=True)
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         save_file({k: v.contiguous() for k, v in weights.items()}, tmp / "model.safetensors")
-        hf_tokenizer(enc).save_pretrained(tmp)
+        (tmp / "model.safetensors").chmod(0o644)  # safetensors writes it private
+        hf_tokenizer(enc, model.config.seq_len).save_pretrained(tmp)
         (tmp / "README.md").write_text(model_card(state, out_dir, config))
         checked = check(tmp, model, enc, state)
         if to.exists():
@@ -263,7 +264,9 @@ def check(folder: Path, model: GPT, enc: tiktoken.Encoding, state: dict, lengths
     """The exported folder reproduces the run: fp32 logits on random sequences (of these lengths, None:
     seq_len) within LOGIT_TOLERANCE, and the tokenizer's ids equal the run's on validation documents."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(0)
     worst = 0.0

@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-CORE = ("train", "model", "data", "corpora", "prepare", "config", "run_folder", "sample")
+CORE = ("train", "model", "data", "corpora", "prepare", "config", "run_folder", "sample", "export_hf")
 
 
 def repo_modules() -> dict[str, object]:
