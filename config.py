@@ -337,6 +337,8 @@ def saved_settings(given: Config, values: dict) -> dict:
 def read_config_file(path: Path) -> dict:
     """A TOML config file's values, or one line saying what is wrong with the file."""
     hint = "" if path.suffix == ".toml" else f" (to train on a corpus, give it as --dataset={path})"
+    if hint and path.is_file():  # a corpus where the config file goes could read as an empty config
+        raise ConfigError(f"{path} is not a .toml config file{hint}")
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

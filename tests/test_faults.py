@@ -448,9 +448,12 @@ def test_a_corpus_where_the_config_file_goes_says_to_use_dataset(tmp_path):
     corpus.write_bytes(jsonl_bytes(make_documents(3)))
     with pytest.raises(ConfigError, match=f"give it as --dataset={corpus}"):
         parse_config([str(corpus)])
-    with pytest.raises(ConfigError, match=f"give it as --dataset={tmp_path}"):
+    (tmp_path / "empty.jsonl").write_text("")  # would parse as an empty TOML file: the defaults
+    with pytest.raises(ConfigError, match="is not a .toml config file"):
+        parse_config([str(tmp_path / "empty.jsonl")])
+    with pytest.raises(ConfigError, match=f"is a folder, not a config file .*give it as --dataset={tmp_path}"):
         parse_config([str(tmp_path)])
-    tried("corpus given as a config file", 2)
+    tried("corpus given as a config file", 3)
 
 
 def test_a_leading_tilde_is_the_home_folder_for_every_path(tmp_path, monkeypatch):
