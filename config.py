@@ -151,7 +151,8 @@ class Config:
         )
 
 
-# Keys that may change when resuming: they alter neither the model nor the data it sees.
+# Keys that may change when resuming: they change neither the model's shape nor the data (max_iters does
+# stretch the learning-rate schedule from the step resumed at).
 RESUMABLE_CHANGES = {
     "max_iters",
     "eval_interval",
@@ -323,7 +324,8 @@ def saved_settings(given: Config, values: dict) -> dict:
     if not isinstance(saved, dict):
         raise ConfigError(f"{path} is not a run's settings: give them again, or delete it")
     fields = {f.name for f in dataclasses.fields(Config)}
-    saved = {k: v for k, v in saved.items() if k in fields and k not in ("resume", "overwrite")}
+    # the folder is where the run is now (it may have moved), and resuming is not overwriting
+    saved = {k: v for k, v in saved.items() if k in fields and k not in ("resume", "overwrite", "out_dir")}
     changed = [k for k in values if k not in RESUMABLE_CHANGES and k in saved and getattr(given, k) != saved[k]]
     if changed:
         detail = ", ".join(f"{k}: {saved[k]!r} -> {getattr(given, k)!r}" for k in changed)
@@ -336,21 +338,21 @@ def saved_settings(given: Config, values: dict) -> dict:
 
 def read_config_file(path: Path) -> dict:
     """A TOML config file's values, or one line saying what is wrong with the file."""
-    hint = "" if path.suffix == ".toml" else f" (to train on a corpus, give it as --dataset={path})"
-    if hint and path.is_file():  # a corpus where the config file goes could read as an empty config
+    hint = f" (to train on a corpus, give it as --dataset={path})"
+    if path.is_dir():
+        raise ConfigError(f"{path} is a folder, not a config file{hint}")
+    if path.suffix != ".toml" and path.exists():  # a corpus there could even read as an empty config
         raise ConfigError(f"{path} is not a .toml config file{hint}")
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path} is a folder, not a config file{hint}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start}){hint}") from None
+        raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read ({e.strerror})") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path} does not parse: {e}{hint}") from None
+        raise ConfigError(f"config file {path} does not parse: {e}") from None
 
 
 def check_bounds(settings) -> None:

@@ -1,6 +1,5 @@
 """The packing spec: how a row of the token stream becomes a batch, read top to bottom. Then reading the
-shards that prepare.py wrote. This file imports nothing from the repo; prepare.py is the only other
-module that knows the shard format.
+shards that prepare.py writes. This file imports nothing from the repo.
 
 The rules, which are Megatron-LM's flags of the same meaning (README, "The three flags"):
 
@@ -86,6 +85,8 @@ class Batch:
     doc_positions: torch.Tensor  # (B, T) position within the document, for loss-by-position reports
     doc_mask: bool = True  # the doc_mask flag, carried to model.attention_mask
 
+    TENSORS = ("inputs", "targets", "doc_ids", "position_ids", "doc_positions")
+
     @property
     def counted(self) -> torch.Tensor:
         """(B, T) bool: the targets that count in the loss."""
@@ -94,7 +95,7 @@ class Batch:
     def to(self, device: torch.device | str) -> "Batch":
         """To CUDA from pinned memory without blocking, so the next batch is built while the GPU works."""
         cuda = torch.device(device).type == "cuda"
-        tensors = [self.inputs, self.targets, self.doc_ids, self.position_ids, self.doc_positions]
+        tensors = (getattr(self, name) for name in self.TENSORS)
         moved = (t.pin_memory().to(device, non_blocking=True) if cuda else t.to(device) for t in tensors)
         return Batch(*moved, doc_mask=self.doc_mask)
 
@@ -340,8 +341,16 @@ def load_shards(path: Path) -> Shards:
     if not isinstance(meta, dict) or meta.get("format_version") != SHARD_FORMAT_VERSION:
         raise DataError(f"{path} was prepared by another version of prepare.py; delete it to prepare again")
     missing = [key for key in META_KEYS if key not in meta]
-    if missing or not all(split in meta["splits"] for split in ("train", "val")):
-        what = ", ".join(missing) or "a split"
+    splits = meta.get("splits")
+    whole = isinstance(splits, dict) and all(
+        isinstance(splits.get(split), dict)
+        and isinstance(splits[split].get("shards"), list)
+        and splits[split]["shards"]
+        and all(isinstance(shard, dict) and {"file", "tokens"} <= shard.keys() for shard in splits[split]["shards"])
+        for split in ("train", "val")
+    )
+    if missing or not whole:
+        what = ", ".join(missing) or "its splits' shards"
         raise DataError(f"{meta_path} lacks {what}: it is damaged; delete {path} to prepare again")
     tok_path = Path(path) / "tokenizer.tiktoken"
     if not tok_path.is_file() or hashlib.sha256(tok_path.read_bytes()).hexdigest() != meta["tokenizer_sha256"]:
@@ -375,7 +384,9 @@ def load_shards(path: Path) -> Shards:
 def load_tokenizer(path: Path) -> tiktoken.Encoding:
     """The tokenizer saved beside prepared shards (works offline)."""
     meta, tokenizer = json.loads((Path(path) / "meta.json").read_text()), Path(path) / "tokenizer.tiktoken"
-    return read_tiktoken(tokenizer.read_bytes(), meta["pattern"], meta["tokenizer_name"], str(tokenizer))
+    return read_tiktoken(
+        tokenizer.read_bytes(), meta["pattern"], meta["tokenizer_name"], str(tokenizer), meta["eot_id"]
+    )
 
 
 def leading_documents(stream: TokenStream | np.ndarray, eot_id: int, max_tokens: int) -> TokenStream | np.ndarray:
@@ -407,15 +418,17 @@ def document_bounds(stream: TokenStream | np.ndarray, eot_id: int) -> tuple[np.n
 # The tokenizer: a tiktoken Encoding whose only special token is EOT
 
 
-def tiktoken_encoding(ranks: dict[bytes, int], pattern: str, name: str) -> tiktoken.Encoding:
-    """An Encoding of these merge ranks whose one special token, EOT, takes the next id."""
-    eot_id = max(ranks.values()) + 1
+def tiktoken_encoding(ranks: dict[bytes, int], pattern: str, name: str, eot_id: int | None = None) -> tiktoken.Encoding:
+    """An Encoding of these merge ranks whose one special token is EOT: at `eot_id` (a named tiktoken
+    encoding keeps its own), or the id after the last rank (a BPE trained here)."""
+    eot_id = max(ranks.values()) + 1 if eot_id is None else eot_id
     return tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens={EOT_TEXT: eot_id})
 
 
-def read_tiktoken(content: bytes, pattern: str, name: str, where: str) -> tiktoken.Encoding:
+def read_tiktoken(content: bytes, pattern: str, name: str, where: str, eot_id: int | None = None) -> tiktoken.Encoding:
     """A .tiktoken file's content (one 'base64-token rank' per line, ranks 0..n-1 once each, every byte a
-    token), checked; `where` names it in errors. The one reader: of shards, checkpoints and user files."""
+    token), checked; `where` names it in errors; EOT at `eot_id` (see tiktoken_encoding). The one reader:
+    of shards, checkpoints and user files."""
     ranks: dict[bytes, int] = {}
     for line_no, line in enumerate(content.splitlines(), 1):
         if not line:
@@ -438,4 +451,11 @@ def read_tiktoken(content: bytes, pattern: str, name: str, where: str) -> tiktok
             f"{where}: {len(missing)} single bytes are not tokens (e.g. {bytes(missing[:1])!r}); "
             "a byte-level BPE needs all 256"
         )
-    return tiktoken_encoding(ranks, pattern, name)
+    return tiktoken_encoding(ranks, pattern, name, eot_id)
+
+
+def decoded(enc: tiktoken.Encoding, ids: list[int]) -> str:
+    """A generated document's text: its ids up to its EOT, without the ids past the tokenizer's (the model's
+    vocabulary is padded to a multiple of 64, so an untrained model can sample them)."""
+    ids = ids[: ids.index(enc.eot_token)] if enc.eot_token in ids else ids
+    return enc.decode([t for t in ids if t < enc.n_vocab])

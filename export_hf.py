@@ -232,8 +232,15 @@ def export(out_dir: Path, to: Path, overwrite: bool = False) -> dict:
     pos_emb = state["model_config"].get("pos_emb")
     if pos_emb not in MAPPINGS:
         raise ExportError(f"{out_dir}: a model with pos_emb={pos_emb!r} has no Hugging Face mapping here")
+    target, run, here = to.resolve(), out_dir.resolve(), Path.cwd().resolve()
+    if target in (run, here) or run.is_relative_to(target) or here.is_relative_to(target) or target == target.parent:
+        raise ExportError(
+            f"--to={to} is the run's folder, the working folder or a folder above them: give a new folder"
+        )
     if to.exists() and not overwrite:
         raise ExportError(f"{to} exists: give another --to, or --overwrite=true to replace it")
+    if to.exists() and not ((to / "config.json").is_file() and (to / "model.safetensors").is_file()):
+        raise ExportError(f"{to} exists and is not an exported model folder: --overwrite=true replaces only those")
     model = run_folder.trained_model(state, torch.device("cpu"), attn_impl="sdpa").float()
     enc = run_folder.checkpoint_tokenizer(state)
     config, weights = MAPPINGS[pos_emb](model)
@@ -253,6 +260,8 @@ def export(out_dir: Path, to: Path, overwrite: bool = False) -> dict:
         if to.exists():
             shutil.rmtree(to)
         tmp.rename(to)
+    except ImportError as e:
+        raise ExportError(f"the export needs {e.name}: pip install -r requirements.txt") from None
     except OSError as e:
         raise ExportError(f"could not write {to} ({e.strerror or e})") from None
     finally:
@@ -267,7 +276,13 @@ def check(folder: Path, model: GPT, enc: tiktoken.Encoding, state: dict, lengths
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:  # what transformers raises for a folder it cannot load
+        raise ExportError(
+            f"transformers cannot load the exported folder ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
     generator = torch.Generator().manual_seed(0)
     worst = 0.0
     for length in lengths:
@@ -279,7 +294,6 @@ def check(folder: Path, model: GPT, enc: tiktoken.Encoding, state: dict, lengths
         worst = max(worst, float((ours - theirs).abs().max()))
     if worst > LOGIT_TOLERANCE:
         raise ExportError(f"the exported model's logits differ from the run's by up to {worst:.2e}")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
     texts = validation_texts(state, enc)
     for text in texts:
         if tokenizer.encode(text, add_special_tokens=False) != enc.encode_ordinary(text):

@@ -95,11 +95,10 @@ def load_named_tokenizer(tokenizer: str) -> tiktoken.Encoding:
         ) from None
     if EOT_TEXT not in enc.special_tokens_set:
         raise DataError(f"tiktoken encoding {tokenizer!r} has no {EOT_TEXT} token")
+    if sorted(enc._mergeable_ranks.values()) != list(range(len(enc._mergeable_ranks))):
+        raise DataError(f"tiktoken encoding {tokenizer!r} has gaps in its ranks, which its .tiktoken file cannot hold")
     # Keep only EOT as a special token, so every encoding is saved and reloaded the same way.
-    ranks = enc._mergeable_ranks
-    return tiktoken.Encoding(
-        tokenizer, pat_str=enc._pat_str, mergeable_ranks=ranks, special_tokens={EOT_TEXT: enc.eot_token}
-    )
+    return tiktoken_encoding(enc._mergeable_ranks, enc._pat_str, tokenizer, enc.eot_token)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,22 +252,23 @@ def _named_by_real_vocabulary(out: Path, settings: PrepareSettings, meta: dict, 
         f"data: the corpus gave a tokenizer of only {meta['vocab_size']:,} tokens, not the "
         f"tokenizer_vocab_size={settings.vocab_size:,} asked (too little text for more merges)"
     )
-    return out.with_name(out.name.replace(f"-bpe{settings.vocab_size}-", f"-bpe{meta['vocab_size']}-"))
+    label, digest = out.name.rsplit(f"-bpe{settings.vocab_size}-", 1)
+    return out.with_name(f"{label}-bpe{meta['vocab_size']}-{digest}")
 
 
 def _report_stale(data_dir: Path, source: Source, settings: PrepareSettings, inputs: list[list], log) -> None:
     """One line when this dataset was prepared before with other content: what changed."""
     earlier = []
     for meta_path in data_dir.glob("*/meta.json"):
-        try:
+        try:  # a damaged earlier folder only means there is nothing to compare with
             meta = json.loads(meta_path.read_text())
             if meta.get("source") == source.identity and meta.get("settings") == settings.deciding():
-                earlier.append((meta.get("prepared_at", 0), meta_path.parent))
-        except (OSError, ValueError):
+                old_inputs = json.loads((meta_path.parent / "inputs.json").read_text())
+                earlier.append((meta.get("prepared_at", 0), str(meta_path.parent), old_inputs))
+        except (OSError, ValueError, AttributeError):
             continue
     if earlier:
-        folder = max(earlier)[1]
-        old_inputs = json.loads((folder / "inputs.json").read_text())
+        _, folder, old_inputs = max(earlier, key=lambda e: (e[0], e[1]))
         log(
             f"data: {source.identity} changed since {folder} was prepared ({describe_changes(old_inputs, inputs)}): "
             f"preparing again (the old shards stay there; delete them to free the space)"

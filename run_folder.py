@@ -120,6 +120,8 @@ def hold(cfg: Config):
                 f"{out_dir} holds a run (ckpt.pt): continue it with --resume=true, pick another out_dir, "
                 "or replace it with --overwrite=true"
             )
+        if cfg.overwrite and not cfg.resume:  # the run it replaces goes first: never its checkpoint with our log
+            ckpt.unlink(missing_ok=True)
         yield
 
 
@@ -246,6 +248,7 @@ class Checkpointer:
                 "name": enc.name,
                 "pattern": enc._pat_str,
                 "file": (shard_path / "tokenizer.tiktoken").read_bytes(),
+                "eot_id": enc.eot_token,
             },
             "shards": str(shard_path.resolve()),
         }
@@ -300,7 +303,8 @@ def trained_model(state: dict, device: torch.device, attn_impl: str | None = Non
 def checkpoint_tokenizer(state: dict) -> tiktoken.Encoding:
     """The tokenizer a checkpoint was trained with, stored in it so a run folder stands alone."""
     tok = state["tokenizer"]
-    return data.read_tiktoken(tok["file"], tok["pattern"], tok["name"], "the checkpoint's tokenizer")
+    where = "the checkpoint's tokenizer"
+    return data.read_tiktoken(tok["file"], tok["pattern"], tok["name"], where, tok.get("eot_id"))
 
 
 class TrainedRun(NamedTuple):
@@ -359,7 +363,7 @@ class MetricsLog:
             self.path.write_text("")
         else:  # drop what was logged after the checkpoint, so the log reads as one run
             kept = [line for line, record in read_metrics(self.path) if record["step"] <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            write_atomically(self.path, "".join(line + "\n" for line in kept))
         if cfg.wandb:
             try:
                 import wandb

@@ -16,7 +16,7 @@ import torch
 
 import run_folder
 from config import MAX_SEED, ArgumentParser, ConfigError, expanded_path, resolve_device, run_main
-from data import DataError
+from data import DataError, decoded
 
 
 def main(argv: list[str]) -> int:
@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
         out = model.generate(
             prompt, args.max_new_tokens, args.temperature, args.top_k or None, stop_token=enc.eot_token
         )
-        text = enc.decode([t for t in out[0].tolist() if t < enc.eot_token])
+        text = decoded(enc, out[0].tolist())
         print(f"--- sample {i + 1} (step {state['step']})\n{text}")
     return 0
 

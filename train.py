@@ -245,7 +245,11 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
     if not main_process:
         shard_path = prepare_for(cfg, log=print0)
     shards = data.load_shards(shard_path)
-    val = data.leading_documents(shards.val, shards.eot_id, eval_token_budget(cfg, world_size))
+    if cfg.eval_tokens == -1:  # resolved once, and kept in config.json and the checkpoint: a resumed run
+        # (whose max_iters or eval_interval may change) evaluates on the same documents
+        saved = checkpoint["config"]["eval_tokens"] if checkpoint is not None else -1
+        cfg.eval_tokens = saved if saved >= 0 else eval_token_budget(cfg, world_size)
+    val = data.leading_documents(shards.val, shards.eot_id, cfg.eval_tokens)
     if checkpoint is not None and checkpoint["tokenizer_sha256"] != shards.meta["tokenizer_sha256"]:
         raise ConfigError(f"{ckpt_path} was trained with another tokenizer than the shards in {shard_path}")
     train_batches = PackedBatches(
@@ -287,7 +291,7 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
     precision = autocast(device, cfg.dtype)
 
     if main_process:
-        (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+        run_folder.write_atomically(out_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
     log = run_folder.MetricsLog(out_dir, cfg, start_step if checkpoint else None, world_size, enabled=main_process)
     checkpoints = run_folder.Checkpointer(cfg, model_config, shard_path, shards)
     print0(
@@ -357,7 +361,7 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
         prompt = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
         with precision:
             out = model.eval().generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50, stop_token=shards.eot_id)
-        text = enc.decode([t for t in out[0].tolist() if t < enc.n_vocab and t != shards.eot_id])
+        text = data.decoded(enc, out[0].tolist())
         print0(f"\nfinal val_doc_loss {result['val_doc_loss']:.4f} (val_loss {result['val_loss']:.4f})")
         print0(f"sample:\n{text}")
     return result
@@ -376,10 +380,14 @@ def main(argv: list[str]) -> int:
         if first_process:
             print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # a second Ctrl-C (the first one finishes the step and saves)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one finishes the step and saves), or one before training
         if first_process:
+            resumable = cfg is not None and (Path(cfg.out_dir) / "ckpt.pt").exists()
             resume = f"; resume from the last checkpoint with: python train.py --out_dir={cfg.out_dir} --resume=true"
-            print(f"\ninterrupted: stopped at once{resume if cfg else ''}", file=sys.stderr)
+            print(
+                f"\ninterrupted: stopped at once, nothing half-written kept{resume if resumable else ''}",
+                file=sys.stderr,
+            )
         return 130
     return 0
 

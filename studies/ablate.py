@@ -88,8 +88,8 @@ PRIMARY_ENDPOINT = {
     "pad": "val_doc_loss",
     "pad_equal_compute": "val_doc_loss",
 }
-DIFFERENCE_ENDPOINTS = ("early", "middle", "val_doc_loss")  # compared with the reference of the same seed
-CONTRAST_ENDPOINTS = ("offset_effect", "contamination", "leak_logprob", "leak_rate")  # within each run
+DIFFERENCE_ENDPOINTS = ("early", "middle", "val_doc_loss")  # compared with the reference of the same seed; the
+# others (offset effect, contamination, the import leak) are contrasts within each run
 
 
 @dataclass
@@ -171,7 +171,7 @@ def parse_args(argv: list[str]) -> tuple[Study, list[str]]:
     except ConfigError as e:
         raise ConfigError(f"[ablate] {e}") from None
     study.validate()
-    train_args = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+    train_args = as_arguments(values)
     parse_config(train_args)  # fails early, with train.py's messages, on a bad key or value
     return study, train_args
 
@@ -217,11 +217,10 @@ def run_order(seeds: dict[tuple[str, str], list[int]]) -> list[tuple[str, str, i
     return order
 
 
-def pad_steps_factor(cfg: Config) -> float:
+def pad_steps_factor(shards: data.Shards, seq_len: int) -> float:
     """How many more steps a pad run needs to see as many real tokens as a packed run."""
-    shards = data.load_shards(prepare_for(cfg))
-    _, n_real, _ = data.pad_rows(shards.train, shards.eot_id, cfg.seq_len)
-    return cfg.seq_len / float(np.minimum(n_real, cfg.seq_len).mean())
+    _, n_real, _ = data.pad_rows(shards.train, shards.eot_id, seq_len)
+    return seq_len / float(np.minimum(n_real, seq_len).mean())
 
 
 def packing_regime(shards: data.Shards, seq_len: int, max_rows: int = 4096) -> dict:
@@ -240,11 +239,16 @@ def packing_regime(shards: data.Shards, seq_len: int, max_rows: int = 4096) -> d
     }
 
 
+def as_arguments(values: dict) -> list[str]:
+    """--key=value arguments, booleans as true/false."""
+    return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+
+
 def run_config(train_args: list[str], pos_emb: str, variant: str, seed: int, out_dir: Path, pad_factor: float):
     overrides = {"pos_emb": pos_emb, "seed": seed, "out_dir": out_dir, "sample_tokens": 0, **VARIANTS[variant]}
-    cfg = parse_config(
-        train_args + [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items()]
-    )
+    cfg = parse_config(train_args + as_arguments(overrides))
+    # every run evaluates on the same documents: an automatic budget is fixed before pad's schedule stretches
+    cfg.eval_tokens = train.eval_token_budget(cfg)
     if variant == "pad":  # the same real training tokens: more steps, with the schedule stretched to match
         # (pad_equal_compute keeps the packed run's steps: the same FLOPs, fewer real tokens)
         for key in ("max_iters", "warmup_iters", "eval_interval"):
@@ -291,7 +295,7 @@ def doc_loss_in_rows(
     run's flags."""
     rows = [np.concatenate([p, d]) for p, d in zip(prefixes, docs)]
     own = [(len(p), len(p) + len(d) - 1) for p, d in zip(prefixes, docs)]  # targets inside the document
-    sums, counts = score_rows(model, cfg.flags, eot_id, rows, own, device)
+    sums, counts = score_rows(model, cfg.flags, eot_id, rows, own, device, cfg.dtype)
     return float(sums.sum() / counts.sum())
 
 
@@ -302,6 +306,11 @@ def probe_inputs(
     the space the offsets leave, keeping its EOT); a DataError when the validation split is too small."""
     head = leading_stream(shards.val, shards.eot_id, n_docs, seq_len)
     docs, filler = probe_documents(head, shards.eot_id, n_docs, seq_len - max(offsets))
+    if len(filler) < len(docs) * max(offsets):  # each document's own k tokens of other documents
+        raise data.DataError(
+            f"the validation split has {len(filler):,} tokens after the probe documents; the offset probe needs "
+            f"{len(docs) * max(offsets):,}: lower probe_docs or probe_offsets, or raise val_fraction"
+        )
     other_docs, _ = probe_documents(filler, shards.eot_id, len(docs), max(offsets) - 1)
     unrelated = [d if d[-1] == shards.eot_id else np.append(d[:-1], shards.eot_id) for d in other_docs]
     return docs, filler, unrelated
@@ -327,8 +336,11 @@ def run_probes(out_dir: Path, cfg: Config, n_docs: int, offsets: list[int]) -> d
 
 
 # Settings that cannot change a run's numbers; every other one decides whether a finished run is reused.
-NOT_DECIDING = {"out_dir", "data_dir", "resume", "overwrite", "log_interval", "sample_prompt", "sample_tokens"}
-NOT_DECIDING |= {"wandb", "wandb_project", "wandb_run_name"}
+NOT_DECIDING = {"out_dir", "data_dir", "resume", "overwrite", "log_interval", "sample_prompt", "sample_tokens"} | {
+    "wandb",
+    "wandb_project",
+    "wandb_run_name",
+}
 
 
 def decided_by(cfg: Config, study: Study, offsets: list[int], shard_folder: str) -> dict:
@@ -674,9 +686,7 @@ def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cf
         "| cell | " + " | ".join(ENDPOINT_NAMES[n] for n in secondary) + " |",
         "|" + " --- |" * (1 + len(secondary)),
     ]
-    for key, cell in summary.items():
-        if key.endswith("/reference"):
-            continue
+    for key, cell in summary.items():  # the reference too: its probes are checked for invariance
         row = []
         for name in secondary:
             entry = cell["endpoints"].get(name)
@@ -836,10 +846,13 @@ def main(argv: list[str]) -> int:
         run_folder.check_writable_folder(out, "out_dir")  # before any work: the study ends by writing its report here
         shard_path = prepare_for(base)
         shards = data.load_shards(shard_path)
-        pad_factor = pad_steps_factor(base)
+        pad_factor = pad_steps_factor(shards, base.seq_len)
         regime = packing_regime(shards, base.seq_len)
         # the probes run after each training run: a validation split too small for them fails here, first
         probe_inputs(shards, study.probe_docs, base.seq_len, offsets)
+        if study.import_leak:
+            leak_pairs = import_leak.validation_pairs(shards, data.load_tokenizer(shard_path), study.leak_pairs)
+            import_leak.fitting_pairs(leak_pairs, base.seq_len)
         seeds = seeds_of_cells(study)
         planned = []
         for pos, variant, seed in run_order(seeds):

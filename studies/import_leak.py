@@ -162,15 +162,22 @@ def find_pairs(texts: list[str], enc: tiktoken.Encoding, n_pairs: int, seed: int
 
 
 def continuation_logprobs(
-    model: GPT, flags: Flags, eot_id: int, rows: list[tuple[np.ndarray, np.ndarray]], device: torch.device
+    model: GPT,
+    flags: Flags,
+    eot_id: int,
+    rows: list[tuple[np.ndarray, np.ndarray]],
+    device: torch.device,
+    dtype: str = "auto",
 ) -> np.ndarray:
     """log P(continuation | row start) for each (row start, continuation), under the run's settings."""
     laid_out = [np.concatenate([start, continuation]) for start, continuation in rows]
     targets = [(len(start) - 1, len(start) + len(continuation) - 1) for start, continuation in rows]
-    return -score_rows(model, flags, eot_id, laid_out, targets, device)[0]
+    return -score_rows(model, flags, eot_id, laid_out, targets, device, dtype)[0]
 
 
-def import_logprob(model: GPT, flags: Flags, eot_id: int, pairs: list[LeakPair], device: torch.device) -> dict:
+def import_logprob(
+    model: GPT, flags: Flags, eot_id: int, pairs: list[LeakPair], device: torch.device, dtype: str = "auto"
+) -> dict:
     """For each (k, extra) and alone: per pair, log P("import m" or "from m import") after B's context."""
     T = model.config.seq_len
     settings = [None] + [(k, e) for k in PRECEDING_FILES for e in EXTRA_TOKENS]
@@ -187,7 +194,7 @@ def import_logprob(model: GPT, flags: Flags, eot_id: int, pairs: list[LeakPair],
         if not rows:
             result[setting] = {}
             continue
-        logp = continuation_logprobs(model, flags, eot_id, rows, device).reshape(len(owners), -1)
+        logp = continuation_logprobs(model, flags, eot_id, rows, device, dtype).reshape(len(owners), -1)
         result[setting] = dict(zip(owners, np.logaddexp.reduce(logp, axis=1).tolist()))
     return result
 
@@ -201,6 +208,7 @@ def sample_import_lines(
     context_rests: list[str],
     generator: torch.Generator,
     device: torch.device,
+    dtype: str = "auto",
     max_tokens: int = 8,
 ) -> list[str | None]:
     """For each row start (ending with B's context), the module of the import line the model samples at
@@ -214,7 +222,7 @@ def sample_import_lines(
         length = max(len(rows[r]) for r in open_rows)  # as long as needed: causal, so nothing changes
         batch = data.batch_of_rows([np.array(rows[r]) for r in open_rows], length, eot, flags=flags).to(device)
         mask = attention_mask(batch.doc_ids, batch.doc_mask, model.config.attn_impl)
-        with train.autocast(device):
+        with train.autocast(device, dtype):
             logits = model(batch.inputs, batch.position_ids, mask)
         last = torch.tensor([len(rows[r]) - 1 for r in open_rows], device=device)
         probs = torch.softmax(logits[torch.arange(len(open_rows), device=device), last].float(), dim=-1)
@@ -231,21 +239,32 @@ def sample_import_lines(
     return modules
 
 
+def fitting_pairs(pairs: list[LeakPair], seq_len: int) -> list[LeakPair]:
+    """The pairs that fit in a row of seq_len with one file before B; a DataError when fewer than 2 do
+    (nothing to measure)."""
+    needed = [len(p.preceding[1, 0]) + len(p.context) + max(map(len, p.continuations)) - 1 for p in pairs]
+    fitting = [p for p, n in zip(pairs, needed) if n <= seq_len]
+    if len(fitting) < 2:
+        raise data.DataError(
+            f"{len(fitting)} of the {len(pairs)} import-leak pairs fit in a row of seq_len {seq_len} with one file "
+            f"before B (the shortest needs {min(needed, default=0)}): the probe needs a run with a longer seq_len"
+        )
+    return fitting
+
+
 def probe(
-    model: GPT, flags: Flags, enc: tiktoken.Encoding, pairs: list[LeakPair], samples: int, device: torch.device
+    model: GPT,
+    flags: Flags,
+    enc: tiktoken.Encoding,
+    pairs: list[LeakPair],
+    samples: int,
+    device: torch.device,
+    dtype: str = "auto",
 ) -> dict:
     """Both measures on the pairs that fit in a row with one file before B, with 95% confidence intervals
-    over pairs; a DataError when fewer than 2 fit (nothing to measure)."""
-    T = model.config.seq_len
-    fitting = [p for p in pairs if len(p.preceding[1, 0]) + len(p.context) + max(map(len, p.continuations)) <= T + 1]
-    if len(fitting) < 2:
-        shortest = min(len(p.preceding[1, 0]) + len(p.context) + max(map(len, p.continuations)) for p in pairs)
-        raise data.DataError(
-            f"{len(fitting)} of the {len(pairs)} import-leak pairs fit in a row of seq_len {T} with one file before "
-            f"B (the shortest needs {shortest - 1}): the probe needs a run with a longer seq_len"
-        )
-    pairs = fitting
-    logp = import_logprob(model, flags, enc.eot_token, pairs, device)
+    over pairs, in the compute precision `dtype` (train.autocast)."""
+    pairs = fitting_pairs(pairs, model.config.seq_len)
+    logp = import_logprob(model, flags, enc.eot_token, pairs, device, dtype)
     alone = logp[None]
     by_setting = {}
     for (k, extra), values in ((s, v) for s, v in logp.items() if s is not None):
@@ -264,7 +283,8 @@ def probe(
     for name, before in (("after", lambda p: p.preceding[(1, 0)]), ("alone", lambda p: np.zeros(0, np.int64))):
         starts = [np.concatenate([before(p), p.context]) for p in repeated]
         generator.manual_seed(0)  # the same random numbers for both: with the mask on, the same samples
-        found = sample_import_lines(model, flags, enc, starts, [p.context_rest for p in repeated], generator, device)
+        rests = [p.context_rest for p in repeated]
+        found = sample_import_lines(model, flags, enc, starts, rests, generator, device, dtype)
         conditions[name] = (
             np.array([m in p.leak_modules for m, p in zip(found, repeated)], dtype=float),
             np.array([m is not None for m in found], dtype=float),
@@ -288,20 +308,25 @@ def probe(
     }
 
 
-def probe_run(out_dir: Path, device: torch.device, n_pairs: int = 64, samples: int = 8) -> dict:
-    """The probe on a run folder's model, under its settings, with pairs from its validation split."""
-    model, enc, checkpoint = run_folder.load_run(out_dir, device)
-    flags = Config(**checkpoint["config"]).flags
-    shards = data.load_shards(Path(checkpoint["shards"]))
+def validation_pairs(shards: data.Shards, enc: tiktoken.Encoding, n_pairs: int) -> list[LeakPair]:
+    """Up to n_pairs pairs from the validation split's first documents; a DataError when there are not 2."""
     val = data.leading_documents(shards.val, shards.eot_id, VAL_TOKENS)[:]
     texts = [enc.decode(val[s : e - 1].tolist()) for s, e in zip(*data.document_bounds(val, shards.eot_id))]
     pairs = find_pairs(texts, enc, n_pairs)
     if len(pairs) < 2:
         raise data.DataError(
-            f"the validation split of {checkpoint['shards']} gives {len(pairs)} import-leak pair(s) from "
-            f"{len(texts)} documents: the probe needs whole Python files (e.g. dataset=stdlib-files)"
+            f"the validation split gives {len(pairs)} import-leak pair(s) from {len(texts)} documents: the probe "
+            "needs whole Python files (e.g. dataset=stdlib-files)"
         )
-    return probe(model, flags, enc, pairs, samples, device)
+    return pairs
+
+
+def probe_run(out_dir: Path, device: torch.device, n_pairs: int = 64, samples: int = 8) -> dict:
+    """The probe on a run folder's model, under its settings, with pairs from its validation split."""
+    model, enc, checkpoint = run_folder.load_run(out_dir, device)
+    cfg = Config(**checkpoint["config"])
+    pairs = validation_pairs(data.load_shards(Path(checkpoint["shards"])), enc, n_pairs)
+    return probe(model, cfg.flags, enc, pairs, samples, device, cfg.dtype)
 
 
 def format_table(result: dict) -> str:

@@ -104,10 +104,6 @@ class Effect:
     se: float
     df: int
 
-    @property
-    def n(self) -> int:
-        return self.df + 1
-
     def interval(self, level: float) -> tuple[float, float]:
         """Two-sided confidence interval at `level` (e.g. 0.95); infinite with one seed."""
         if self.df < 1:

@@ -1,5 +1,5 @@
-"""Corpora, tokenizer and shards (data.py): round trips in every input format, determinism, staleness,
-shards that split the stream anywhere, and errors that name the problem."""
+"""Corpora, tokenizer and shards (corpora.py, prepare.py, and data.py's reading): round trips in every input
+format, determinism, staleness, shards that split the stream anywhere, and errors that name the problem."""
 
 import gzip
 import hashlib
@@ -294,8 +294,7 @@ def test_small_shards_give_the_same_stream_and_batches_as_one_shard(tmp_path, mo
         y = PackedBatches(b.train, b.eot_id, 64, 8, packing, seed=5)
         for _ in range(3 * len(x.starts) // 8):  # several epochs
             bx, by = x.next(), y.next()
-            tensors = ("inputs", "targets", "doc_ids", "position_ids", "doc_positions")
-            assert all(torch.equal(getattr(bx, f), getattr(by, f)) for f in tensors)
+            assert all(torch.equal(getattr(bx, f), getattr(by, f)) for f in bx.TENSORS)
 
 
 def test_truncated_shard_is_detected_and_named(tmp_path):

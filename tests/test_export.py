@@ -3,6 +3,9 @@ the run: its fp32 logits, its tokenizer's ids and its greedy generation; a trans
 reordered head is caught; bad requests are one line."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -40,10 +43,22 @@ def ours(run):
     return run_folder.trained_model(state, torch.device("cpu")), run_folder.checkpoint_tokenizer(state), state
 
 
-def test_the_folder_loads_offline_with_the_auto_classes(exported, run, monkeypatch):
+def test_the_folder_loads_offline_with_the_auto_classes(exported, run):
     folder, checked = exported
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= {p.name for p in folder.iterdir()}
+    offline = subprocess.run(  # a fresh process, so that transformers reads the offline switch at import
+        [
+            sys.executable,
+            "-c",
+            f"import transformers as t; t.AutoModelForCausalLM.from_pretrained({str(folder)!r}); "
+            f"t.AutoTokenizer.from_pretrained({str(folder)!r})",
+        ],
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert offline.returncode == 0, offline.stderr[-2000:]
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     pos_emb = json.loads((run / "config.json").read_text())["pos_emb"]

@@ -487,6 +487,79 @@ def test_evaluation_suits_the_run_and_shows_progress(monkeypatch, capsys):
     assert lines and all(line.startswith("eval: ") and "/10 batches, ETA" in line for line in lines)
 
 
+# ---- the end-of-text id of a named encoding, export targets, moved and replaced run folders
+
+
+def test_a_named_encoding_keeps_its_end_of_text_id_through_shards_and_checkpoints(tmp_path, monkeypatch):
+    """tiktoken's named encodings put EOT after a gap (cl100k_base: 100257 for 100256 ranks); reloading
+    must not guess max rank + 1. A stand-in encoding, since the real ones download their files."""
+    import tiktoken
+
+    ranks = {bytes([b]): b for b in range(256)}
+    fake = tiktoken.Encoding(
+        "fake", pat_str=prepare.SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 300}
+    )
+    monkeypatch.setattr(prepare.tiktoken, "get_encoding", lambda name: fake)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_bytes(jsonl_bytes(make_documents(40)))
+    path = prepare.prepare(str(corpus), str(tmp_path / "data"), PrepareSettings(tokenizer="fake"), **QUIET)
+    assert data.load_shards(path).eot_id == 300 == data.load_tokenizer(path).eot_token
+    state = {
+        "tokenizer": {
+            "name": "fake",
+            "pattern": prepare.SPLIT_PATTERN,
+            "file": (path / "tokenizer.tiktoken").read_bytes(),
+            "eot_id": 300,
+        }
+    }
+    assert run_folder.checkpoint_tokenizer(state).eot_token == 300
+    gapped = {k: v + (v >= 100) for k, v in ranks.items()}  # no rank 100
+    fake = tiktoken.Encoding(
+        "gapped", pat_str=prepare.SPLIT_PATTERN, mergeable_ranks=gapped, special_tokens={"<|endoftext|>": 300}
+    )
+    with pytest.raises(DataError, match="has gaps in its ranks"):
+        prepare.load_named_tokenizer("gapped")
+    tried("named encoding", 2)
+
+
+@pytest.mark.slow
+def test_export_never_replaces_the_run_the_working_folder_or_a_folder_that_is_not_an_export(
+    reference_run, tmp_path, monkeypatch
+):
+    import export_hf
+
+    args, _ = reference_run
+    out = tmp_path / "runs" / "run"
+    train.train(parse_config(args(out, max_iters=1, eval_interval=1)))
+    monkeypatch.chdir(tmp_path)
+    for to in (out, out.parent, tmp_path, Path("/")):
+        with pytest.raises(export_hf.ExportError, match="is the run's folder, the working folder or a folder above"):
+            export_hf.export(out, to, overwrite=True)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(export_hf.ExportError, match="is not an exported model folder"):
+        export_hf.export(out, tmp_path / "notes", overwrite=True)
+    assert (tmp_path / "notes" / "keep.txt").exists() and (out / "ckpt.pt").exists()
+    tried("export target", 5)
+
+
+@pytest.mark.slow
+def test_a_moved_run_resumes_where_it_is_and_overwrite_drops_the_old_checkpoint_first(reference_run, tmp_path):
+    args, _ = reference_run
+    first = tmp_path / "first"
+    train.train(parse_config(args(first, max_iters=3)))
+    moved = tmp_path / "moved"
+    shutil.copytree(first, moved)
+    shutil.rmtree(first)
+    cfg = parse_config([f"--out_dir={moved}", "--resume=true", "--max_iters=6"])
+    assert cfg.out_dir == str(moved)  # not the folder its config.json was written in
+    train.train(cfg)
+    assert not first.exists() and torch.load(moved / "ckpt.pt", weights_only=False)["step"] == 6
+    with run_folder.hold(parse_config(args(moved) + ["--overwrite=true"])):
+        assert not (moved / "ckpt.pt").exists()  # a kill now cannot leave the old run's checkpoint with a new log
+    tried("moved or replaced run folder", 2)
+
+
 def test_report_the_cases_tried():
     """How many distinct fault cases this file tried (run it last: python -m pytest tests/test_faults.py -s)."""
     print(f"fault cases tried: {sum(FAULT_CASES.values())} ({', '.join(f'{k} {n}' for k, n in FAULT_CASES.items())})")

@@ -37,7 +37,7 @@ def test_mask_boundary_loss_off_changes_only_the_targets_after_eot():
 def test_doc_mask_off_changes_only_the_batch_s_doc_mask():
     on, off = batch(), batch(doc_mask=False)
     assert on.doc_mask and not off.doc_mask
-    for name in ("inputs", "targets", "doc_ids", "position_ids", "doc_positions"):
+    for name in on.TENSORS:
         assert torch.equal(getattr(on, name), getattr(off, name)), name
 
 

@@ -132,8 +132,7 @@ def test_gradient_accumulation_normalises_by_counted_targets_of_the_whole_step()
     accumulated = accumulate_gradients(model, micro, torch.autocast("cpu", enabled=False), model.config)
     grads_accumulated = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    tensors = ("inputs", "targets", "doc_ids", "position_ids", "doc_positions")
-    both = type(micro[0])(*(torch.cat([getattr(m, f) for m in micro]) for f in tensors))
+    both = type(micro[0])(*(torch.cat([getattr(m, f) for m in micro]) for f in micro[0].TENSORS))
     whole = accumulate_gradients(model, [both], torch.autocast("cpu", enabled=False), model.config)
     assert torch.allclose(accumulated, whole, rtol=1e-5)
     for g, p in zip(grads_accumulated, model.parameters()):
