@@ -131,7 +131,7 @@ def raw_tiktoken(corpus: str, tokenizer: str) -> None:
     print(json.dumps({"encode_seconds": seconds, "tokens": tokens, "documents": documents}))
 
 
-def prepared(dataset: Path, data_dir: Path, tokenizer: str = "bpe") -> dict:
+def measure_preparation(dataset: Path, data_dir: Path, tokenizer: str = "bpe") -> dict:
     result = measure([sys.executable, "prepare.py", str(dataset), f"--data_dir={data_dir}", f"--tokenizer={tokenizer}"])
     folder = Path(next(line for line in result["output"].splitlines() if line.startswith("ready: "))[7:])
     meta = json.loads((folder / "meta.json").read_text())
@@ -192,7 +192,7 @@ def benchmark(args, work: Path, out: Path) -> int:
 
     results: dict = {"corpus": {**info, "file_bytes": sizes}}
     shards = work / "data"
-    results["prepare_bpe"] = prepared(corpus / "corpus.jsonl", shards / "bpe")
+    results["prepare_bpe"] = measure_preparation(corpus / "corpus.jsonl", shards / "bpe")
     tokenizer = str(Path(results["prepare_bpe"]["folder"]).resolve() / "tokenizer.tiktoken")
     raw = measure(
         [
@@ -205,7 +205,7 @@ def benchmark(args, work: Path, out: Path) -> int:
     runs = {"jsonl": "corpus.jsonl", "parquet": "corpus.parquet", "half_jsonl": "half.jsonl"}
     runs["half_parquet"] = "half.parquet"
     for name, dataset in runs.items():
-        results[f"prepare_{name}"] = prepared(corpus / dataset, shards / name, tokenizer)
+        results[f"prepare_{name}"] = measure_preparation(corpus / dataset, shards / name, tokenizer)
 
     raw = results["raw_tiktoken"]
     raw_rate = raw["tokens"] / raw["encode_seconds"]
