@@ -276,6 +276,7 @@ def check(folder: Path, model: GPT, enc: tiktoken.Encoding, state: dict, lengths
     from transformers.utils import logging
 
     logging.disable_progress_bar()
+    logging.set_verbosity_error()  # documents longer than the context are encoded here on purpose
     try:
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         tokenizer = AutoTokenizer.from_pretrained(folder)
