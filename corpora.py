@@ -1,6 +1,6 @@
 """Corpora: what a `dataset` setting names, and its documents, streamed file by file with counts of what
 was skipped and why. The built-in corpora (the Python standard library's top-level definitions or whole
-modules, and the installed packages' definitions) need no download.
+modules, and the installed packages' definitions or whole modules) need no download.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from data import EOT_TEXT, PREPARED_FILES, DataError
 
-BUILTIN_DATASETS = ("stdlib", "stdlib-files", "packages")
+BUILTIN_DATASETS = ("stdlib", "stdlib-files", "packages", "packages-files")
 
 DATASET_HELP = (
     f"give one of {', '.join(BUILTIN_DATASETS)}, a directory of text files, a .jsonl file with a 'text' field, "
@@ -36,7 +36,7 @@ class Source:
     identity: str  # the dataset, however its path was spelled: staleness reports compare it
     root: Path  # file paths in the fingerprint are relative to it
     files: tuple[Path, ...]
-    builtin: str | None = None  # "stdlib" or "packages" (top-level definitions), "stdlib-files" (whole modules)
+    builtin: str | None = None  # "stdlib", "packages": top-level definitions; "stdlib-files", "packages-files": modules
     single_file: bool = False  # a lone text file is split on <|endoftext|>; in a folder it is one document
 
 
@@ -70,7 +70,7 @@ def _package_modules() -> list[Path]:
 
     requirements = Path(__file__).with_name("requirements.txt")
     if not requirements.is_file():
-        raise DataError(f"dataset 'packages' reads the distributions that {requirements} pins; it is missing")
+        raise DataError(f"the packages corpora read the distributions that {requirements} pins; it is missing")
     pending = [Requirement(line).name for line in requirements.read_text().splitlines() if line.split("#")[0].strip()]
     seen, modules = set(), set()
     while pending:
@@ -82,7 +82,7 @@ def _package_modules() -> list[Path]:
         try:
             distribution = metadata.distribution(name)
         except metadata.PackageNotFoundError:
-            raise DataError(f"dataset 'packages': {name} is not installed; pip install -r {requirements}") from None
+            raise DataError(f"the packages corpora: {name} is not installed; pip install -r {requirements}") from None
         for requirement in map(Requirement, distribution.requires or []):
             if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
                 pending.append(requirement.name)
@@ -146,7 +146,7 @@ def resolve_dataset(dataset: str, exclude: tuple[Path, ...] = ()) -> Source:
     kind that cannot be read."""
     if not dataset.strip():
         raise DataError(f"dataset is empty: {DATASET_HELP}")
-    if dataset == "packages":
+    if dataset in ("packages", "packages-files"):
         root = Path(sysconfig.get_paths()["purelib"]).resolve()
         return Source(dataset, dataset, root, tuple(_package_modules()), builtin=dataset)
     if dataset in BUILTIN_DATASETS:
@@ -389,6 +389,10 @@ def read_documents(
         if source.builtin == "packages":  # too large to cache like the standard library: read file by file
             for path in source.files:
                 yield from _module_definitions(path, skipped, on_bytes)
+            return
+        if source.builtin == "packages-files":
+            for path in source.files:
+                yield from _file_document(path, skipped, on_bytes)
             return
         if source.builtin:
             yield from stdlib_documents(source.builtin == "stdlib", skipped)

@@ -52,16 +52,47 @@ def document_causal_dense(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal)[:, None]
 
 
-def document_causal_block_mask(doc_ids: torch.Tensor) -> BlockMask:
-    """The same mask as a FlexAttention BlockMask. B is the batch size: with B=None a batch-dependent
-    mask is silently wrong in the compiled kernel."""
+def positions_in_documents(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) int32: how far each slot is into its document's run in the row (0 where the run starts).
+    Independent of the reset_position_ids flag, which changes only what the model is fed."""
+    ids = doc_ids.contiguous()
+    first_slot = torch.searchsorted(ids, ids)  # document ids never decrease along a row
+    return (torch.arange(ids.shape[-1], device=ids.device) - first_slot).to(torch.int32)
+
+
+def document_causal_by_ids(doc_ids: torch.Tensor):
+    """The mask function as the definition reads: causal, and the same document id (two gathers a score)."""
 
     def document_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
 
+    return document_causal
+
+
+def document_causal_by_position(doc_ids: torch.Tensor):
+    """The same mask with one gather a score: a document is a contiguous run of its row, so key kv is in
+    query q's document iff it lies at most q's position-in-document before q."""
+    within = positions_in_documents(doc_ids)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= within[b, q_idx])
+
+    return document_causal
+
+
+# The mask function FlexAttention evaluates on every score of a partial tile: the one timed on an H200
+# (results/bench_gpu_h200). `python -m studies.bench` times both, as variants flex_doc (this one) and
+# flex_doc_by_position; make the other the default only where it is measured faster.
+FLEX_MASK_FUNCTION = document_causal_by_ids
+
+
+def document_causal_block_mask(doc_ids: torch.Tensor, mask_function=None) -> BlockMask:
+    """The dense mask's FlexAttention BlockMask. B is the batch size: with B=None a batch-dependent mask
+    is silently wrong in the compiled kernel."""
     B, T = doc_ids.shape
     build = compiled_create_block_mask if doc_ids.is_cuda else create_block_mask
-    return build(document_causal, B=B, H=None, Q_LEN=T, KV_LEN=T, device=doc_ids.device)
+    mask_mod = (mask_function or FLEX_MASK_FUNCTION)(doc_ids)
+    return build(mask_mod, B=B, H=None, Q_LEN=T, KV_LEN=T, device=doc_ids.device)
 
 
 # torch.compile is lazy: nothing compiles until the first call. Inside a compiled model, a call of
@@ -116,10 +147,11 @@ def rope_tables(head_dim: int, max_positions: int, base: float) -> tuple[torch.T
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x1[i], x2[i]) of the two halves of each head; cos/sin are (B, 1, T, D/2)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+def apply_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x1[i], x2[i]) of the two halves of each head, in float32; qk is q and k together,
+    (B, T, 2, H, D), and cos/sin are (B, T, 1, 1, D/2)."""
+    x1, x2 = qk.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(qk)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,10 +168,13 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: AttentionMask, rope: tuple | None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head)
+        q, k, v = qkv.unbind(2)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        y = attend(q, k, v, mask).transpose(1, 2).reshape(B, T, C)
+            # rotated in the (B, T, H, D) layout, q and k in one call: the attention output takes the
+            # query's memory layout, so the transpose back to (B, T, C) below stays a view, not a copy
+            q, k = apply_rope(qkv[:, :, :2], *rope).unbind(2)
+        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.proj(y))
 
 
@@ -214,7 +249,7 @@ class GPT(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe(position_ids)
         else:
-            rope = (self.rope_cos[position_ids][:, None], self.rope_sin[position_ids][:, None])
+            rope = (self.rope_cos[position_ids][:, :, None, None], self.rope_sin[position_ids][:, :, None, None])
         x = self.drop(x)
         for block in self.blocks:
             x = block(x, mask, rope)

@@ -11,7 +11,11 @@ memory and, for FlexAttention, the BlockMask build time per step.
   reference_causal  the plainest causal step, standing in for nanoGPT: the same blocks, positions 0..T-1,
                     causal SDPA, the loss inside the compiled forward; no document ids, no mask, no
                     position gather (learned positions whatever --pos_embs says)
-  flex_doc          FlexAttention, block-sparse document mask (what train.py uses on CUDA)
+  reference_causal_cudnn  the same step with SDPA held to its cuDNN backend, CUDA only (on Hopper it can be
+                    the faster causal kernel; the honest reference is the faster of the two)
+  flex_doc          FlexAttention, block-sparse document mask (what train.py uses on CUDA), its mask function
+                    model.FLEX_MASK_FUNCTION
+  flex_doc_by_position  the same with the mask function of one gather a score (model.document_causal_by_position)
   flex_causal       FlexAttention, causal mask only
   sdpa_causal       SDPA with is_causal, no document mask (train.py with doc_mask=false)
   sdpa_doc          SDPA with the dense document mask (what train.py uses on CPU)
@@ -44,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import corpora
 import data
@@ -59,10 +64,20 @@ from model import (
     attend,
     compiled_flex_attention,
     document_causal_block_mask,
+    document_causal_by_position,
     document_causal_dense,
 )
 
-VARIANTS = ("reference_causal", "flex_doc", "flex_causal", "sdpa_causal", "sdpa_doc", "varlen")
+VARIANTS = (
+    "reference_causal",
+    "reference_causal_cudnn",
+    "flex_doc",
+    "flex_doc_by_position",
+    "flex_causal",
+    "sdpa_causal",
+    "sdpa_doc",
+    "varlen",
+)
 
 
 def has_varlen() -> bool:
@@ -182,22 +197,30 @@ def bench_training_step(
     """`kernel_options` replaces model.FLEX_KERNEL_OPTIONS for this step's FlexAttention calls."""
     if variant == "varlen":
         return {"skipped": "attention only"}
-    flex = variant.startswith("flex")
+    flex, reference = variant.startswith("flex"), variant.startswith("reference_causal")
     if flex and device.type != "cuda":
         return {"skipped": "FlexAttention has no backward on CPU"}
+    if variant == "reference_causal_cudnn" and device.type != "cuda":
+        return {"skipped": "cuDNN attention needs CUDA"}
+    if device.type == "cuda":
+        # the SDPA backend is fixed when a graph is traced, and dynamo would reuse another variant's graph
+        torch._dynamo.reset()
     cfg = dataclasses.replace(config, attn_impl="flex" if flex else "sdpa")
     doc = torch.zeros_like(doc_ids) if variant == "flex_causal" else doc_ids  # one document: a causal BlockMask
     batch = synthetic_batch(doc, cfg.vocab_size, doc_mask=variant != "sdpa_causal")
     torch.manual_seed(0)
-    model = CausalReference(cfg).to(device) if variant == "reference_causal" else GPT(cfg).to(device)
+    model = CausalReference(cfg).to(device) if reference else GPT(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     precision = train.autocast(device)
     compiled = torch.compile(model) if device.type == "cuda" else model
     n_counted = batch.counted.sum()
 
+    def backend():  # a fresh context each step: a context manager from a generator is entered once
+        return sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if variant == "reference_causal_cudnn" else nullcontext()
+
     def step():
-        with precision:
-            if variant == "reference_causal":
+        with precision, backend():
+            if reference:
                 loss = compiled(batch.inputs, batch.inputs)  # targets: any tokens do
             else:
                 loss = train.token_losses(compiled, batch, cfg)[0].sum() / n_counted
@@ -207,23 +230,29 @@ def bench_training_step(
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    default_options = model_module.FLEX_KERNEL_OPTIONS
+    default_options, default_mask_function = model_module.FLEX_KERNEL_OPTIONS, model_module.FLEX_MASK_FUNCTION
     model_module.FLEX_KERNEL_OPTIONS = default_options if kernel_options is None else kernel_options
+    model_module.FLEX_MASK_FUNCTION = mask_function_of(variant)
     try:
         seconds = timed(step, device, steps, warmup)
     finally:
-        model_module.FLEX_KERNEL_OPTIONS = default_options
+        model_module.FLEX_KERNEL_OPTIONS, model_module.FLEX_MASK_FUNCTION = default_options, default_mask_function
     B, T = doc_ids.shape
     result = {
         "step_ms": seconds * 1e3,
         "tokens_per_sec": B * T / seconds,
-        "model_flops_per_token": model_flops_per_token(cfg, model.gpt if variant == "reference_causal" else model),
+        "model_flops_per_token": model_flops_per_token(cfg, model.gpt if reference else model),
     }
     if device.type == "cuda":
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     if flex:
-        result["block_mask_ms"] = timed(lambda: document_causal_block_mask(doc), device, steps, warmup) * 1e3
+        build = lambda: document_causal_block_mask(doc, mask_function_of(variant))  # noqa: E731
+        result["block_mask_ms"] = timed(build, device, steps, warmup) * 1e3
     return result
+
+
+def mask_function_of(variant: str):
+    return document_causal_by_position if variant == "flex_doc_by_position" else model_module.FLEX_MASK_FUNCTION
 
 
 def bench_attention(
@@ -231,7 +260,7 @@ def bench_attention(
 ) -> dict:
     """The attention call alone, forward (and backward where the device has one). `kernel_options`
     replaces model.FLEX_KERNEL_OPTIONS for the FlexAttention variants."""
-    if variant == "reference_causal":
+    if variant.startswith("reference_causal"):
         return {}  # the same call as sdpa_causal
     B, T = doc_ids.shape
     H, D = config.n_head, config.n_embd // config.n_head
@@ -258,7 +287,8 @@ def bench_attention(
         elif variant == "sdpa_doc":
             mask = document_causal_dense(doc_ids)
         else:
-            mask = document_causal_block_mask(torch.zeros_like(doc_ids) if variant == "flex_causal" else doc_ids)
+            doc = torch.zeros_like(doc_ids) if variant == "flex_causal" else doc_ids
+            mask = document_causal_block_mask(doc, mask_function_of(variant))
         if kernel_options is not None and variant.startswith("flex") and device.type == "cuda":
             attention = lambda: compiled_flex_attention(q, k, v, block_mask=mask, kernel_options=kernel_options)  # noqa: E731
         else:
@@ -271,7 +301,15 @@ def bench_attention(
                 out.sum().backward()
 
     seconds = timed(call, device, steps, warmup)
-    return {"attention_ms": seconds * 1e3, "backward": backward}
+    result = {"attention_ms": seconds * 1e3, "backward": backward}
+    if kernel_options and variant.startswith("flex") and device.type == "cuda":
+        try:  # what the options cost in accuracy: the output against PyTorch's defaults
+            with torch.no_grad():
+                default = compiled_flex_attention(q, k, v, block_mask=mask)
+                result["max_error_vs_default"] = float((attention().float() - default.float()).abs().max())
+        except Exception as e:  # noqa: BLE001 - the timing stands without it
+            result["error_check_failed"] = error_line(e)
+    return result
 
 
 def error_line(e: BaseException) -> str:
@@ -348,6 +386,9 @@ def main(argv: list[str]) -> int:
         parser.error(f"--out={out} is a folder" if out.is_dir() else f"--out={out}: folder {out.parent} not found")
 
     device = torch.device("cuda" if cuda else "cpu")
+    # every kernel_options set and grad mode is one more compiled entry of compiled_flex_attention; past
+    # the default limit of 8, dynamo would fall back to the slow unfused path and time that instead
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(option_sets) + 8)
     base = GPTConfig(vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     try:
         for seq_len in seq_lens:
@@ -394,7 +435,7 @@ def run_all(args, report, out, seq_lens, variants, layouts, pos_embs, option_set
             for pos_emb in pos_embs:
                 config = dataclasses.replace(base, seq_len=seq_len, pos_emb=pos_emb)
                 for variant in variants:
-                    if variant == "reference_causal" and pos_emb != pos_embs[0]:
+                    if variant.startswith("reference_causal") and pos_emb != pos_embs[0]:
                         continue  # it has no position kind to vary: once per size and layout
                     flex = variant.startswith("flex")
                     for options in option_sets if flex else [None]:
@@ -402,7 +443,7 @@ def run_all(args, report, out, seq_lens, variants, layouts, pos_embs, option_set
                             "seq_len": seq_len,
                             "batch_size": batch_size,
                             "layout": layout,
-                            "pos_emb": "learned" if variant == "reference_causal" else pos_emb,
+                            "pos_emb": "learned" if variant.startswith("reference_causal") else pos_emb,
                             "variant": variant,
                             "docs_per_row": float((doc_ids[:, -1] + 1).float().mean()),
                             "ideal_doc_mask_speedup": ideal,
@@ -454,18 +495,20 @@ def format_table(results: list[dict], n_layer: int) -> str:
         )
 
     header = (
-        "| T | layout | docs/row | pos | variant | step ms | tokens/s | MFU | MFU doc | vs reference_causal "
+        "| T | layout | docs/row | pos | variant | step ms | tokens/s | MFU | MFU doc | vs fastest reference "
         "| vs sdpa_causal | step ideal | attn fwd+bwd ms | attn ideal | mask ms | peak GB | kernel options |"
     )
     lines = [header, "|" + " --- |" * (header.count("|") - 1)]
     for row in results:
-        reference, causal = same(row, "reference_causal"), same(row, "sdpa_causal", row["pos_emb"])
+        references = [r for r in (same(row, "reference_causal"), same(row, "reference_causal_cudnn")) if r]
+        reference = min(references, key=lambda r: r["step_ms"], default=None)  # the faster causal kernel
+        causal = same(row, "sdpa_causal", row["pos_emb"])
         vs_reference = vs_causal = step_ideal = "-"
         if "step_ms" in row and reference:
             vs_reference = f"{reference['step_ms'] / row['step_ms']:.2f}x"
         if "step_ms" in row and causal:
             vs_causal = f"{causal['step_ms'] / row['step_ms']:.2f}x"
-            if row["variant"] == "flex_doc" and "attention_ms" in causal:
+            if row["variant"].startswith("flex_doc") and "attention_ms" in causal:
                 attention = n_layer * causal["attention_ms"]
                 saved = attention * (1 - 1 / row["ideal_doc_mask_speedup"])
                 step_ideal = f"{causal['step_ms'] / (causal['step_ms'] - min(saved, 0.99 * causal['step_ms'])):.2f}x"

@@ -14,7 +14,10 @@ from config import ConfigError
 from studies import ablate, stats
 
 
-@pytest.mark.parametrize("name", ["ablate_cpu.toml", "ablate_gpu.toml", "import_leak_cpu.toml"])
+@pytest.mark.parametrize(
+    "name",
+    ["ablate_cpu.toml", "ablate_cpu_stage2.toml", "ablate_gpu.toml", "import_leak_cpu.toml", "import_leak_gpu.toml"],
+)
 def test_shipped_study_configs_parse(name):
     study, train_args = ablate.parse_args([str(ROOT / "configs" / name), "--seeds=5", "--max_iters=7"])
     assert study.seeds == 5 and "--max_iters=7" in train_args
@@ -27,6 +30,20 @@ def test_the_confirmatory_study_is_the_one_preregistered():
     seeds = ablate.seeds_of_cells(study)
     assert seeds["learned", "no_mask_boundary_loss"] == list(range(3, 15)) == seeds["rope", "reference"]
     assert len(seeds["rope", "no_reset_position_ids"]) == 2 and len(seeds["learned", "no_reset_position_ids"]) == 4
+
+
+def test_the_second_stage_is_the_one_preregistered_on_seeds_the_first_did_not_use():
+    first, _ = ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml")])
+    second, second_args = ablate.parse_args([str(ROOT / "configs/ablate_cpu_stage2.toml")])
+    assert ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml")])[1] == second_args  # same training
+    for key in ("early_band", "middle_band", "margin_band", "margin_doc_loss", "invariance_tolerance", "probe_docs"):
+        assert getattr(first, key) == getattr(second, key), key
+    seeds = ablate.seeds_of_cells(second)
+    assert set(seeds) == {("learned", v) for v in ("reference", "no_reset_position_ids", "no_mask_boundary_loss")}
+    assert seeds["learned", "no_reset_position_ids"] == list(range(15, 39))
+    assert seeds["learned", "no_mask_boundary_loss"] == list(range(15, 55)) == seeds["learned", "reference"]
+    used_before = {s for cell in ablate.seeds_of_cells(first).values() for s in cell}
+    assert used_before == set(range(3, 15)) and not used_before & set(seeds["learned", "reference"])
 
 
 def test_bad_study_settings_are_one_clear_error(tmp_path):

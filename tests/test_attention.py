@@ -10,12 +10,19 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from data import document_ids
+import model
 from model import (
+    GPT,
+    GPTConfig,
+    apply_rope,
     attend,
     attention_mask,
     compiled_flex_attention,
     document_causal_block_mask,
+    document_causal_by_ids,
+    document_causal_by_position,
     document_causal_dense,
+    positions_in_documents,
 )
 
 EOT = 99
@@ -55,9 +62,27 @@ def qkv(B: int, T: int, H: int = 4, D: int = 32, seed: int = 0):
     return (torch.randn(B, H, T, D, generator=g) for _ in range(3))
 
 
-def test_block_mask_matches_dense_mask():
+def test_positions_in_documents_restart_on_each_document_of_the_worked_example():
+    doc = document_ids(torch.tensor([[1, 1, EOT, 2, EOT, 3, 3, EOT]]), EOT)
+    assert positions_in_documents(doc).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+
+
+def test_positions_in_documents_are_the_reset_positions_of_any_batch_padding_included():
+    import numpy as np
+
+    from data import make_batch
+
+    rng = np.random.default_rng(0)
+    stream = rng.integers(0, EOT, 4 * 65).astype(np.int64)
+    stream[rng.random(stream.size) < 0.1] = EOT
+    batch = make_batch(stream, np.arange(4) * 65, np.array([65, 40, 1, 65]), 64, EOT)  # two rows padded
+    assert torch.equal(positions_in_documents(batch.doc_ids).long(), batch.position_ids)
+
+
+@pytest.mark.parametrize("mask_function", [document_causal_by_position, document_causal_by_ids])
+def test_block_mask_matches_dense_mask(mask_function):
     doc = layouts_batch()
-    block_mask = document_causal_block_mask(doc)
+    block_mask = document_causal_block_mask(doc, mask_function)
     assert block_mask.shape[0] == doc.shape[0]  # one mask per sample (B = batch size, never None)
     dense = torch.stack(
         [
@@ -70,21 +95,62 @@ def test_block_mask_matches_dense_mask():
     assert torch.equal(dense, document_causal_dense(doc)[:, 0])
 
 
+@pytest.mark.parametrize("mask_function", [document_causal_by_position, document_causal_by_ids])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_flex_forward_matches_dense_sdpa(compiled):
+def test_flex_forward_matches_dense_sdpa(compiled, mask_function):
     doc = layouts_batch()
     q, k, v = qkv(doc.shape[0], doc.shape[1])
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_dense(doc))
     flex = compiled_flex_attention if compiled else flex_attention
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # eager flex warns that it is a slow reference
-        got = flex(q, k, v, block_mask=document_causal_block_mask(doc))
+        got = flex(q, k, v, block_mask=document_causal_block_mask(doc, mask_function))
     assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
     # the test can fail: the same kernel with a shuffled batch of masks disagrees
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        wrong = flex(q, k, v, block_mask=document_causal_block_mask(doc.roll(1, dims=0)))
+        wrong = flex(q, k, v, block_mask=document_causal_block_mask(doc.roll(1, dims=0), mask_function))
     assert not torch.allclose(wrong, expected, atol=1e-3)
+
+
+def test_rope_rotates_each_pair_by_its_angle_and_scores_depend_on_distance_only():
+    """apply_rope against complex multiplication by e^(i * position * frequency), and the property that
+    makes position reset unnecessary with the mask: shifting every position by 100 leaves q.k unchanged."""
+    B, T, H, D = 2, 16, 3, 8
+    cos, sin = model.rope_tables(D, 256, 10000.0)
+    qk = torch.randn(B, T, 2, H, D, dtype=torch.float64).float()
+    positions = torch.randint(0, 128, (B, T))
+
+    def rotated(pos):
+        return apply_rope(qk, cos[pos][:, :, None, None], sin[pos][:, :, None, None])
+
+    angles = positions[:, :, None, None, None] * (1.0 / 10000.0 ** (torch.arange(0, D, 2) / D))
+    as_complex = torch.complex(*qk.double().chunk(2, dim=-1)) * torch.exp(1j * angles.double())
+    expected = torch.cat([as_complex.real, as_complex.imag], dim=-1)
+    assert torch.allclose(rotated(positions).double(), expected, atol=1e-5)
+    scores = lambda x: torch.einsum("bqhd,bkhd->bhqk", x[:, :, 0], x[:, :, 1])  # noqa: E731
+    assert torch.allclose(scores(rotated(positions)), scores(rotated(positions + 100)), atol=1e-4)
+    assert not torch.allclose(scores(rotated(positions)), scores(rotated(positions * 2)), atol=1e-2)
+
+
+def test_rotated_queries_keep_the_token_major_layout_so_the_output_needs_no_copy(monkeypatch):
+    """FlexAttention's output takes the query's memory layout; RoPE rotates q in the (B, T, H, D) layout,
+    so the attention output transposed back to (B, T, C) is already contiguous (a view, no copy)."""
+    outputs = []
+
+    def recording_attend(q, k, v, mask):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = attend(q, k, v, mask)
+        outputs.append(out)
+        return out
+
+    monkeypatch.setattr(model, "attend", recording_attend)
+    gpt = GPT(GPTConfig(vocab_size=128, seq_len=64, n_layer=1, n_head=2, n_embd=32, pos_emb="rope", attn_impl="flex"))
+    doc = document_ids(torch.tensor([[1] * 20 + [EOT] + [2] * 43]), EOT)
+    with torch.no_grad():  # flex forward only: no backward on CPU
+        gpt(torch.ones(1, 64, dtype=torch.long), positions_in_documents(doc).long(), attention_mask(doc, True, "flex"))
+    assert outputs and all(out.transpose(1, 2).is_contiguous() for out in outputs)
 
 
 def test_every_query_attends_to_at_least_itself():
@@ -108,7 +174,7 @@ def test_bench_script_runs_and_reports_every_variant(tmp_path):
         "--warmup=1",
         "--layouts=real,synthetic",
         "--pos_embs=learned,rope",
-        "--variants=reference_causal,flex_doc,sdpa_causal,sdpa_doc,varlen",
+        "--variants=reference_causal,reference_causal_cudnn,flex_doc,flex_doc_by_position,sdpa_causal,sdpa_doc,varlen",
         f"--out={out}",
     ]
     result = subprocess.run(
@@ -117,15 +183,18 @@ def test_bench_script_runs_and_reports_every_variant(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     rows = {(r["layout"], r["pos_emb"], r["variant"]): r for r in report["results"]}
-    assert len(rows) == len(report["results"]) == 2 * (1 + 2 * 4) and report["peak_flops"] > 0
+    assert len(rows) == len(report["results"]) == 2 * (2 + 2 * 5) and report["peak_flops"] > 0
     for layout in ("real", "synthetic"):
         reference = rows[layout, "learned", "reference_causal"]
         assert reference["tokens_per_sec"] > 0 and "attention_ms" not in reference
+        assert rows[layout, "learned", "reference_causal_cudnn"]["skipped"] == "cuDNN attention needs CUDA"
         for pos_emb in ("learned", "rope"):
             assert rows[layout, pos_emb, "sdpa_causal"]["tokens_per_sec"] > 0
             assert 0 < rows[layout, pos_emb, "sdpa_doc"]["mfu_doc"] <= rows[layout, pos_emb, "sdpa_doc"]["mfu"] < 1
-            assert rows[layout, pos_emb, "flex_doc"]["attention_ms"] > 0  # forward only on CPU
-            assert "skipped" in rows[layout, pos_emb, "flex_doc"] and "skipped" in rows[layout, pos_emb, "varlen"]
+            for flex in ("flex_doc", "flex_doc_by_position"):
+                assert rows[layout, pos_emb, flex]["attention_ms"] > 0  # forward only on CPU
+                assert "skipped" in rows[layout, pos_emb, flex]
+            assert "skipped" in rows[layout, pos_emb, "varlen"]
             assert not any("error" in r for r in report["results"])
     assert rows["synthetic", "rope", "sdpa_doc"]["ideal_doc_mask_speedup"] > 1.5  # 64-token documents, T=128
     assert "| 128 | real | 1.0 | learned | reference_causal |" in result.stdout

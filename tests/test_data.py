@@ -197,6 +197,23 @@ def test_packages_corpus_is_the_pinned_distributions_and_what_they_require(tmp_p
     assert len(docs) == 2000 and all(d.lstrip().startswith(("def ", "async def ", "class ", "@")) for d in docs)
 
 
+def test_packages_files_corpus_is_the_same_modules_each_one_whole_document():
+    import itertools
+
+    definitions, files = corpora.resolve_dataset("packages"), corpora.resolve_dataset("packages-files")
+    assert files.files == definitions.files and files.builtin == "packages-files"
+    docs = list(itertools.islice(corpora.read_documents(files), 200))
+    def whole(path):
+        try:
+            return path.read_bytes().decode("utf-8").removeprefix("\ufeff")
+        except UnicodeDecodeError:
+            return ""  # skipped and counted
+
+    texts = (whole(p) for p in files.files)
+    assert docs == list(itertools.islice((t for t in texts if t.strip()), 200))  # whole files, in file order
+    assert any(d.lstrip().startswith(("import ", "from ")) for d in docs)  # imports kept, unlike definitions
+
+
 # ---- input formats: the same documents give the same shards, whatever holds them
 
 
