@@ -228,7 +228,14 @@ def test_interrupts_and_kills_at_random_points_of_preparation_leave_it_clean_and
             break
         signum = signal.SIGINT if interrupted % 2 == 0 else signal.SIGKILL  # as many of each
         proc = subprocess.Popen(
-            [*command, f"--data_dir={data_dir}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [*command, f"--data_dir={data_dir}"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            # Ctrl-C as from a terminal, even when pytest runs as a background job (which ignores SIGINT,
+            # and a child that starts with SIGINT ignored keeps ignoring it)
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         while proc.poll() is None and not list(data_dir.glob(f".*.tmp-{proc.pid}")):  # its preparation has begun
             time.sleep(0.01)

@@ -29,7 +29,7 @@ SMALL = PrepareSettings(vocab_size=300)
 
 def records(out_dir):
     """metrics.jsonl without the wall-clock rates, which differ between runs."""
-    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    lines = (out_dir / "metrics.jsonl").read_text().split("\n")[:-1]  # a last line with no newline is being written
     return [{k: v for k, v in json.loads(line).items() if "per_sec" not in k} for line in lines]
 
 
