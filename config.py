@@ -50,10 +50,10 @@ class Config:
         "stdlib",
         "'stdlib' (top-level functions and classes of the Python standard library), "
         "'stdlib-files' (whole modules), 'packages' (top-level definitions of the installed packages that "
-        "requirements.txt pins, and what they require), 'packages-files' (the same modules whole), a directory of text files (one document each), a "
-        ".jsonl, .jsonl.gz or .jsonl.zst file (one document per line), a .parquet file (one per row), a glob or "
-        "directory of such files, a text file of documents separated by <|endoftext|>, or a folder prepared by "
-        "prepare.py",
+        "requirements.txt pins, and what they require), 'packages-files' (the same modules whole), a directory "
+        "of text files (one document each), a .jsonl, .jsonl.gz or .jsonl.zst file (one document per line), a "
+        ".parquet file (one per row), a glob or directory of such files, a text file of documents separated by "
+        "<|endoftext|>, or a folder prepared by prepare.py",
         path=True,
     )
     text_field: str = setting("text", "the field (.jsonl) or column (.parquet) that holds each document's text")

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from data import document_ids
 import model
+from data import document_ids
 from model import (
     GPT,
     GPTConfig,
