@@ -75,8 +75,16 @@ class Config:
     val_fraction: float = setting(0.05, "fraction of documents held out for validation", minimum=0.0)
     packing: str = setting(
         "concat",
-        "'concat': contiguous rows of the document stream; 'pad': one document (or chunk) per row, padded",
-        choices=("concat", "pad"),
+        "'concat': contiguous rows of the document stream (documents cut at row edges); 'bestfit': whole "
+        "documents best-fit-decreasing into rows, longer ones in row-sized chunks, the rest padded; 'pad': one "
+        "document (or chunk) per row, padded",
+        choices=("concat", "bestfit", "pad"),
+    )
+    bos: bool = setting(
+        False,
+        "begin every document with a start marker (BOS, one id past the tokenizer's) that belongs to it, so its "
+        "first token is predicted from the BOS in training, evaluation, sampling and the export alike; false: a "
+        "document starts right after the previous one's EOT",
     )
     # the three fixes (README: "The three flags")
     doc_mask: bool = setting(

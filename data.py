@@ -1,16 +1,19 @@
-"""The packing spec: how a row of the token stream becomes a batch, read top to bottom. Then reading the
-shards that prepare.py writes. This file imports nothing from the repo.
+"""The packing spec: how the documents of a split become rows and a row becomes a batch, read top to
+bottom. Then reading the shards that prepare.py writes. This file imports nothing from the repo.
 
 The rules, which are Megatron-LM's flags of the same meaning (README, "The three flags"):
 
     stream   every document is encoded with `encode_ordinary` and followed by one EOT token;
-             the EOT belongs to the document it ends
-    rows     inputs x = s[t:t+T], targets y = s[t+1:t+T+1]
+             the EOT belongs to the document it ends. With the start marker (bos), every document
+             also begins with a BOS token that belongs to it: BOS, its text, EOT
+    rows     T + 1 tokens laid out by the packing (concat, pad or bestfit); inputs x = row[:T],
+             targets y = row[1:T + 1]
     doc id   exclusive cumulative sum of (x == EOT): the EOT keeps the id of its document
-    position restarts at 0 on the token after each EOT and at the start of the row (a row that starts
-             inside a document gives that token position 0, as Megatron-LM, torchtitan and HF do)
-    loss     the target predicted *from* an EOT input is ignored (the next document's first token);
-             predicting the EOT itself counts, so the model learns to end documents
+    position restarts at 0 on the token after each EOT (the BOS, with the marker) and at the start of
+             the row (a row that starts inside a document gives that token position 0, as Megatron-LM,
+             torchtitan and HF do; no BOS is added there)
+    loss     the target predicted *from* an EOT input is ignored (the next document's first token, its
+             BOS with the marker); predicting the EOT itself counts, so the model learns to end documents
 
 Worked example: documents of 3, 2 and 3 tokens in one 8-slot row give document ids 0 0 0 1 1 2 2 2 and
 positions 0 1 2 0 1 0 1 2. The document mask itself (three small lower triangles) is built in model.py
@@ -30,6 +33,7 @@ import tiktoken
 import torch
 
 EOT_TEXT = "<|endoftext|>"
+BOS_TEXT = "<|bos|>"  # the start marker's text, for decoding and the export; never read from text
 
 IGNORE_INDEX = -100  # targets with this value do not count in the loss (torch's cross_entropy default)
 
@@ -82,7 +86,7 @@ class Batch:
     targets: torch.Tensor  # (B, T) token ids, IGNORE_INDEX where not counted
     doc_ids: torch.Tensor  # (B, T) document index within the row
     position_ids: torch.Tensor  # (B, T) position fed to the model
-    doc_positions: torch.Tensor  # (B, T) position within the document, for loss-by-position reports
+    doc_positions: torch.Tensor  # (B, T) position within the document's text (a BOS is -1), for reports
     doc_mask: bool = True  # the doc_mask flag, carried to model.attention_mask
 
     TENSORS = ("inputs", "targets", "doc_ids", "position_ids", "doc_positions")
@@ -101,81 +105,246 @@ class Batch:
 
 
 def make_batch(
-    stream: TokenStream | np.ndarray,
-    starts: np.ndarray,
+    tokens: np.ndarray,
     n_real: np.ndarray,
-    seq_len: int,
     eot_id: int,
     *,
     flags: Flags = Flags(),
-    doc_offsets: np.ndarray | None = None,
+    doc_positions: np.ndarray | None = None,
 ) -> Batch:
-    """Gather rows [start, start + n_real) of the stream into a batch (vectorised, no per-token loop).
-
-    Padding inputs are EOT, so each padding token is its own one-token document that nothing real
-    attends to; padding targets are always ignored. `doc_offsets` gives how far into its document each
-    row starts (pad rows of long documents), only for `doc_positions`.
-    """
-    window = np.arange(seq_len + 1)
-    real = window[None, :] < n_real[:, None]
-    index = np.minimum(starts[:, None] + window[None, :], len(stream) - 1)
-    tokens = torch.from_numpy(np.where(real, stream[index].astype(np.int64), eot_id))
+    """A batch from rows of T + 1 token ids (B, T + 1), of which the first n_real are real (vectorised, no
+    per-token loop). Padding inputs are EOT, so each padding token is its own one-token document that
+    nothing real attends to; padding targets are always ignored. `doc_positions` (B, T): each input's
+    position within its document's text, for reports (default: the reset positions)."""
+    real = np.arange(tokens.shape[1])[None, :] < n_real[:, None]
+    tokens = torch.from_numpy(np.where(real, tokens, eot_id).astype(np.int64))
     inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
     targets[~torch.from_numpy(real[:, 1:])] = IGNORE_INDEX
     positions = reset_positions(inputs, eot_id)
     doc_ids = document_ids(inputs, eot_id)
-    doc_positions = (
-        positions if doc_offsets is None else positions + torch.from_numpy(doc_offsets)[:, None] * (doc_ids == 0)
-    )
+    in_document = positions if doc_positions is None else torch.from_numpy(doc_positions)
     # The reset_position_ids flag: its whole effect is this line.
-    position_ids = positions if flags.reset_position_ids else torch.arange(seq_len).expand_as(inputs).clone()
+    position_ids = positions if flags.reset_position_ids else torch.arange(inputs.shape[1]).expand_as(inputs).clone()
     # The mask_boundary_loss flag: its whole effect is this line.
     if flags.mask_boundary_loss:
         targets = boundary_loss_masked(inputs, targets, eot_id)
-    return Batch(inputs.contiguous(), targets, doc_ids, position_ids, doc_positions, doc_mask=flags.doc_mask)
+    return Batch(inputs.contiguous(), targets, doc_ids, position_ids, in_document, doc_mask=flags.doc_mask)
 
 
 def batch_of_rows(rows: list[np.ndarray], seq_len: int, eot_id: int, flags: Flags = Flags()) -> Batch:
     """A batch whose row r holds the tokens rows[r] (at most seq_len + 1: the inputs and the last target),
-    padded like any row. For probes that lay documents out in a row by hand."""
+    padded like any row. For tests and probes that lay documents out in a row by hand."""
     if any(len(row) > seq_len + 1 for row in rows):
         raise ValueError(f"a row holds at most seq_len + 1 = {seq_len + 1} tokens")
-    stream = np.full((len(rows), seq_len + 1), eot_id, dtype=np.int64)
+    tokens = np.full((len(rows), seq_len + 1), eot_id, dtype=np.int64)
     for r, row in enumerate(rows):
-        stream[r, : len(row)] = row
-    starts = np.arange(len(rows)) * (seq_len + 1)
-    return make_batch(stream.reshape(-1), starts, np.array([len(row) for row in rows]), seq_len, eot_id, flags=flags)
+        tokens[r, : len(row)] = row
+    return make_batch(tokens, np.array([len(row) for row in rows]), eot_id, flags=flags)
 
 
 # ----------------------------------------------------------------------------------------------
-# Rows: concat rows are contiguous windows of the stream, always full; pad rows hold one document (or one chunk
-# of a long one) and padding. A row is its `start` and how many of its T+1 tokens are real (`n_real`).
+# The document stream: a split's documents as rows take them
 
 
-def concat_rows(n_tokens: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Contiguous, non-overlapping windows of T+1 tokens (consecutive rows share one token, as x/y do)."""
-    starts = np.arange(0, n_tokens - seq_len, seq_len, dtype=np.int64)
-    return starts, np.full_like(starts, seq_len + 1), np.zeros_like(starts)
+class Documents:
+    """The documents of one split in stream order, each its tokens and its EOT, after a BOS when `bos_id`
+    is given (the start marker enters here, when rows are built: prepared shards hold no BOS, so one
+    prepared folder serves both conventions). An index into this document stream addresses one token;
+    without the marker it is the index into the split itself."""
+
+    def __init__(self, stream: TokenStream | np.ndarray, eot_id: int, bos_id: int | None = None) -> None:
+        ends = eot_positions(stream, eot_id) + 1
+        if len(stream) and (len(ends) == 0 or ends[-1] != len(stream)):
+            ends = np.append(ends, len(stream))  # an array cut inside its last document (tests, probes)
+        marker = int(bos_id is not None)
+        source_starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        self.stream, self.eot_id, self.bos_id, self.marker = stream, eot_id, bos_id, marker
+        self.starts = source_starts + marker * np.arange(len(ends))  # where each document (its BOS) begins
+        self.lengths = ends - source_starts + marker  # BOS, text and EOT
+        self.n_tokens = len(stream) + marker * len(ends)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def document_of(self, index: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.starts, index, side="right") - 1
+
+    def tokens(self, index: np.ndarray) -> np.ndarray:
+        """The token ids (int64) at these indexes of the document stream."""
+        if self.bos_id is None:
+            return np.asarray(self.stream[index]).astype(np.int64)
+        document = self.document_of(index)
+        is_bos = index == self.starts[document]
+        out = np.asarray(self.stream[np.where(is_bos, 0, index - document - 1)]).astype(np.int64)
+        out[is_bos] = self.bos_id
+        return out
+
+    def positions(self, index: np.ndarray) -> np.ndarray:
+        """Position within the document's text: 0 at its first text token, -1 at its BOS."""
+        return index - self.starts[self.document_of(index)] - self.marker
 
 
-def pad_rows(stream: TokenStream | np.ndarray, eot_id: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One row per document, or per chunk of T inputs of a longer one: (starts, n_real, doc_offsets)."""
-    doc_starts, doc_ends = document_bounds(stream, eot_id)
-    lengths = doc_ends - doc_starts  # EOT included
-    n_chunks = np.maximum(1, -(-(lengths - 1) // seq_len))  # chunks with at least one target
-    doc_of_chunk = np.repeat(np.arange(len(lengths)), n_chunks)
-    first_chunk = np.cumsum(n_chunks) - n_chunks
-    offsets = (np.arange(len(doc_of_chunk)) - first_chunk[doc_of_chunk]) * seq_len
-    n_real = np.minimum(seq_len + 1, lengths[doc_of_chunk] - offsets)
-    return doc_starts[doc_of_chunk] + offsets, n_real, offsets
+# ----------------------------------------------------------------------------------------------
+# Rows. A packing decides which tokens of the document stream each row holds, as pieces laid end to end:
+#   concat   contiguous windows of the stream, always full (documents cut at row edges)
+#   pad      one document, or one chunk of a long one, per row, then padding (the wasteful baseline)
+#   bestfit  whole documents, best-fit-decreasing into rows, then padding; a document longer than a row
+#            is cut into row-sized chunks first (Ding et al. 2024, arXiv 2404.10830, without their
+#            truncation of the rest: nothing is dropped)
+# Chunks of a long document, like consecutive concat rows, share one token (the last target of one is
+# the first input of the next), so every token of a document is predicted exactly once.
+
+
+@dataclass
+class Rows:
+    """Row r lays the pieces first[r]:first[r + 1] end to end, piece p being `length[p]` tokens of the
+    document stream from `start[p]`; the rest of its T + 1 slots is padding."""
+
+    start: np.ndarray
+    length: np.ndarray
+    first: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.first) - 1
+
+    def index(self, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """(B, width) document-stream index of each slot of these rows (-1 for padding) and each row's
+        number of real slots."""
+        counts = self.first[rows + 1] - self.first[rows]  # every row holds at least one piece
+        first_of_row = np.cumsum(counts) - counts  # where each row's pieces begin in the list below
+        piece = np.repeat(self.first[rows] - first_of_row, counts) + np.arange(counts.sum())
+        row_of_piece = np.repeat(np.arange(len(rows)), counts)
+        length = self.length[piece]
+        begin = np.cumsum(length) - length  # of each piece, in all the rows' slots laid end to end
+        column = begin - np.repeat(begin[first_of_row], counts)
+        within = np.arange(length.sum()) - np.repeat(begin, length)
+        out = np.full((len(rows), width), -1, dtype=np.int64)
+        out[np.repeat(row_of_piece, length), np.repeat(column, length) + within] = (
+            np.repeat(self.start[piece], length) + within
+        )
+        return out, np.bincount(row_of_piece, weights=length, minlength=len(rows)).astype(np.int64)
+
+
+def single_pieces(start: np.ndarray, length: np.ndarray) -> Rows:
+    return Rows(start.astype(np.int64), length.astype(np.int64), np.arange(len(start) + 1))
+
+
+def concat_rows(documents: Documents, seq_len: int) -> Rows:
+    """Contiguous, non-overlapping windows of T + 1 tokens (consecutive rows share one token, as x/y do)."""
+    starts = np.arange(0, documents.n_tokens - seq_len, seq_len, dtype=np.int64)
+    return single_pieces(starts, np.full_like(starts, seq_len + 1))
+
+
+def document_chunks(documents: Documents, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(start, length) of every chunk: a document of at most T + 1 tokens whole, a longer one in chunks of
+    T + 1 starting every T tokens (sharing one token), the last one shorter."""
+    lengths = documents.lengths
+    n_chunks = np.maximum(1, -(-(lengths - 1) // seq_len))
+    document = np.repeat(np.arange(len(lengths)), n_chunks)
+    offset = (np.arange(len(document)) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)) * seq_len
+    return documents.starts[document] + offset, np.minimum(seq_len + 1, lengths[document] - offset)
+
+
+def pad_rows(documents: Documents, seq_len: int) -> Rows:
+    """One row per document, or per chunk of a longer one."""
+    return single_pieces(*document_chunks(documents, seq_len))
+
+
+def bestfit_rows(documents: Documents, seq_len: int) -> Rows:
+    """Full chunks one to a row; every other chunk (whole short documents, the last chunks of long ones),
+    longest first, into the open row it fills most (best fit), or a new row when none has room. Depends on
+    the documents' lengths in stream order only: the same data gives the same rows, whatever its shards."""
+    start, length = document_chunks(documents, seq_len)
+    capacity = seq_len + 1
+    full = np.flatnonzero(length == capacity)
+    rest = np.flatnonzero(length < capacity)
+    rest = rest[np.lexsort((rest, -length[rest]))]  # longest first; ties in stream order
+    row_of = best_fit_decreasing(length[rest].tolist(), capacity)
+    # in a row, the last chunk of a long document first (so it starts the row, as a concat row that starts
+    # inside a document does), then the rest in the order they were placed
+    opens_document = np.isin(start[rest], documents.starts)
+    order = np.lexsort((np.arange(len(rest)), opens_document, row_of))
+    pieces = np.concatenate([full, rest[order]])
+    per_row = np.concatenate([np.ones(len(full), dtype=np.int64), np.bincount(row_of)])
+    return Rows(start[pieces], length[pieces], np.concatenate([[0], np.cumsum(per_row)]))
+
+
+def best_fit_decreasing(sizes: list[int], capacity: int) -> np.ndarray:
+    """The row of each item (sizes in decreasing order): the open row with the least room that still fits
+    it, else a new row. Rows are kept in stacks by their room, and a bit set (a Python int) marks the rooms
+    that some open row has, so finding the best fit is a shift and a lowest-set-bit: about a microsecond
+    an item, whatever the number of rows."""
+    by_room: list[list[int]] = [[] for _ in range(capacity + 1)]
+    rooms_open = 0  # bit r set: some open row has exactly r slots left
+    row_of = np.empty(len(sizes), dtype=np.int64)
+    n_rows = 0
+    for item, size in enumerate(sizes):
+        fitting = rooms_open >> size
+        if fitting:
+            room = size + (fitting & -fitting).bit_length() - 1
+            row = by_room[room].pop()
+            if not by_room[room]:
+                rooms_open ^= 1 << room
+        else:
+            row, room, n_rows = n_rows, capacity, n_rows + 1
+        row_of[item] = row
+        left = room - size
+        if left:
+            if not by_room[left]:
+                rooms_open |= 1 << left
+            by_room[left].append(row)
+    return row_of
+
+
+PACKINGS = {"concat": concat_rows, "pad": pad_rows, "bestfit": bestfit_rows}
+
+
+def packing_statistics(documents: Documents, rows: Rows, seq_len: int, max_rows: int = 8192) -> dict:
+    """How a packing holds the documents. Per row and per token from up to max_rows rows spread evenly over
+    the split (all of them when there are fewer); the share of documents split or cut from all of them."""
+    chosen = np.unique(np.linspace(0, len(rows) - 1, min(max_rows, len(rows))).astype(np.int64))
+    index, _ = rows.index(chosen, seq_len + 1)
+    index = index[:, :-1]  # the input slots
+    real = index >= 0
+    document = np.where(real, documents.document_of(np.maximum(index, 0)), -1)
+    run_starts = real & np.concatenate([np.ones((len(chosen), 1), bool), document[:, 1:] != document[:, :-1]], 1)
+    column = np.arange(seq_len)[None, :]
+    run_start_column = np.maximum.accumulate(np.where(run_starts, column, 0), axis=1)
+    from_document_start = index - documents.starts[np.maximum(document, 0)]  # counting the BOS
+    holds_start = real & (from_document_start == column - run_start_column)
+    sees_another = real & (np.cumsum(run_starts, axis=1) > 1)
+    whole = documents.starts + documents.lengths  # a document is whole when one piece holds all of it
+    by_start = np.argsort(rows.start, kind="stable")
+    piece = by_start[np.maximum(np.searchsorted(rows.start[by_start], documents.starts, side="right") - 1, 0)]
+    is_whole = (rows.start[piece] <= documents.starts) & (whole <= rows.start[piece] + rows.length[piece])
+    n_real = real.sum()
+    return {
+        "rows": len(rows),
+        "documents": len(documents),
+        "documents_per_row": float(run_starts.sum(1).mean()),
+        "padding_share": float(1 - n_real / real.size),
+        "documents_split_or_cut": float(1 - is_whole.mean()),
+        "tokens_with_their_document_start_in_the_row": float(holds_start.sum() / max(1, n_real)),
+        "tokens_seeing_another_document_without_the_mask": float(sees_another.sum() / max(1, n_real)),
+    }
+
+
+def describe_packing(packing: str, stats: dict) -> str:
+    return (
+        f"packing={packing}: {stats['rows']:,} rows, {stats['documents_per_row']:.2f} documents a row, "
+        f"{stats['padding_share']:.1%} padding, {stats['documents_split_or_cut']:.1%} of documents split or cut, "
+        f"{stats['tokens_with_their_document_start_in_the_row']:.1%} of tokens with their document's start in "
+        f"the row, {stats['tokens_seeing_another_document_without_the_mask']:.1%} that could see another "
+        "document without the mask"
+    )
 
 
 class PackedBatches:
     """A deterministic, resumable sequence of batches from one split.
 
-    Rows are shuffled once per epoch with a seed derived from (seed, epoch), so two runs with the
-    same seed see the same data in the same order whatever their flags; the position in the sequence
-    is two integers, saved in checkpoints.
+    The rows are planned once, from the data alone; they are shuffled once per epoch with a seed derived
+    from (seed, epoch), so two runs with the same seed see the same data in the same order whatever their
+    flags; the position in the sequence is two integers, saved in checkpoints.
     """
 
     def __init__(
@@ -187,54 +356,60 @@ class PackedBatches:
         packing: str = "concat",
         *,
         flags: Flags = Flags(),
+        bos_id: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
         split: str = "train",
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        if packing == "concat":
-            self.starts, self.n_real, self.offsets = concat_rows(len(stream), seq_len)
-        elif packing == "pad":
-            self.starts, self.n_real, self.offsets = pad_rows(stream, eot_id, seq_len)
-        else:
-            raise ValueError(f"packing must be 'concat' or 'pad', got {packing!r}")
+        if packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
+        self.documents = Documents(stream, eot_id, bos_id)
+        self.rows = PACKINGS[packing](self.documents, seq_len)
         needed = batch_size * world_size if shuffle else 1  # training takes whole global batches
-        if len(self.starts) < needed:
+        if len(self.rows) < needed:
             raise DataError(
-                f"the {split} split's {len(stream):,} tokens give {len(self.starts)} rows of seq_len {seq_len} with "
+                f"the {split} split's {len(stream):,} tokens give {len(self.rows)} rows of seq_len {seq_len} with "
                 f"packing={packing}, fewer than batch_size {batch_size} x {world_size} process(es): "
                 "use more data or smaller settings"
             )
-        self.stream, self.eot_id, self.seq_len, self.batch_size = stream, eot_id, seq_len, batch_size
+        self.packing, self.eot_id, self.seq_len, self.batch_size = packing, eot_id, seq_len, batch_size
         self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
         self.flags = flags
         self.epoch, self.cursor = 0, 0
         self._order = self._epoch_order()
 
+    def __len__(self) -> int:
+        return len(self.rows)
+
     def _epoch_order(self) -> np.ndarray:
         if not self.shuffle:
-            return np.arange(len(self.starts))
-        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.starts))
+            return np.arange(len(self.rows))
+        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
+
+    def statistics(self) -> dict:
+        return packing_statistics(self.documents, self.rows, self.seq_len)
 
     def batch(self, rows: np.ndarray, n_empty: int = 0) -> Batch:
         """These rows, then n_empty empty rows (all EOT inputs, no counted target)."""
-        empty = np.zeros(n_empty, dtype=np.int64)
-        return make_batch(
-            self.stream,
-            np.concatenate([self.starts[rows], empty]),
-            np.concatenate([self.n_real[rows], empty]),
-            self.seq_len,
-            self.eot_id,
-            flags=self.flags,
-            doc_offsets=np.concatenate([self.offsets[rows], empty]),
-        )
+        index, n_real = self.rows.index(rows, self.seq_len + 1)
+        index = np.concatenate([index, np.full((n_empty, self.seq_len + 1), -1)])
+        n_real = np.concatenate([n_real, np.zeros(n_empty, dtype=np.int64)])
+        tokens = self.documents.tokens(np.maximum(index, 0))
+        inputs = index[:, :-1]
+        doc_positions = np.where(inputs >= 0, self.documents.positions(np.maximum(inputs, 0)), 0)
+        return make_batch(tokens, n_real, self.eot_id, flags=self.flags, doc_positions=doc_positions)
+
+    def document_of_rows(self) -> np.ndarray:
+        """The document each row starts in."""
+        return self.documents.document_of(self.rows.start[self.rows.first[:-1]])
 
     def next(self) -> Batch:
         """This process's share of the next global batch: every process steps through the same row
         order, and process r takes rows [r * batch_size, (r + 1) * batch_size) of each global batch."""
         global_batch = self.batch_size * self.world_size
-        if self.cursor + global_batch > len(self.starts):
+        if self.cursor + global_batch > len(self.rows):
             self.epoch, self.cursor = self.epoch + 1, 0
             self._order = self._epoch_order()
         first = self.cursor + self.rank * self.batch_size
@@ -244,7 +419,7 @@ class PackedBatches:
     def all_batches(self):
         """Every row in order (evaluation), in batches of batch_size rows. The last is filled up with empty
         rows, so a compiled model sees one shape and never recompiles."""
-        n = len(self.starts)
+        n = len(self.rows)
         for i in range(0, n, self.batch_size):
             rows = self._order[i : min(i + self.batch_size, n)]
             yield self.batch(rows, n_empty=self.batch_size - len(rows))
@@ -454,8 +629,38 @@ def read_tiktoken(content: bytes, pattern: str, name: str, where: str, eot_id: i
     return tiktoken_encoding(ranks, pattern, name, eot_id)
 
 
+def start_marker_id(enc: tiktoken.Encoding) -> int:
+    """The BOS id for a tokenizer: the first id past its vocabulary (one past the EOT for a BPE trained
+    here; 50257 for gpt2). A vocabulary that holds the marker's text as an ordinary token is refused: the
+    two would decode alike, and an exported tokenizer could not tell them apart."""
+    if BOS_TEXT.encode() in enc._mergeable_ranks:  # tiktoken exposes no public accessor for the ranks
+        raise DataError(
+            f"tokenizer {enc.name} holds {BOS_TEXT!r} as an ordinary token (id "
+            f"{enc._mergeable_ranks[BOS_TEXT.encode()]}), so it cannot take the start marker; use bos=false"
+        )
+    return enc.n_vocab
+
+
+def with_start_marker(enc: tiktoken.Encoding, bos_id: int | None) -> tiktoken.Encoding:
+    """The run's tokenizer: `enc`, with the BOS as a second special token when the run uses the marker.
+    Text is always encoded with encode_ordinary, so a literal "<|bos|>" in a document stays text."""
+    if bos_id is None:
+        return enc
+    specials = {EOT_TEXT: enc.eot_token, BOS_TEXT: bos_id}
+    return tiktoken.Encoding(
+        enc.name, pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks, special_tokens=specials
+    )
+
+
+def document_opening(enc: tiktoken.Encoding, text: str) -> list[int]:
+    """The ids a document that begins with `text` starts with, as the run's documents start: the BOS first
+    when the tokenizer has one (prompts of samples, exports' checks)."""
+    bos = [enc.encode_single_token(BOS_TEXT)] if BOS_TEXT in enc.special_tokens_set else []
+    return bos + enc.encode_ordinary(text)
+
+
 def decoded(enc: tiktoken.Encoding, ids: list[int]) -> str:
-    """A generated document's text: its ids up to its EOT, without the ids past the tokenizer's (the model's
-    vocabulary is padded to a multiple of 64, so an untrained model can sample them)."""
+    """A generated document's text: its ids up to its EOT, without the BOS and the ids past the tokenizer's
+    (the model's vocabulary is padded to a multiple of 64, so an untrained model can sample them)."""
     ids = ids[: ids.index(enc.eot_token)] if enc.eot_token in ids else ids
-    return enc.decode([t for t in ids if t < enc.n_vocab])
+    return enc.decode([t for t in ids if t < enc.n_vocab and t not in enc._special_tokens.values()])

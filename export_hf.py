@@ -28,7 +28,7 @@ import torch
 
 import run_folder
 from config import ArgumentParser, Config, ConfigError, expanded_path, run_main
-from data import EOT_TEXT, DataError
+from data import BOS_TEXT, EOT_TEXT, DataError, document_opening
 from model import GPT
 
 LOGIT_TOLERANCE = 1e-4  # max |difference| of fp32 logits that the check accepts
@@ -160,8 +160,10 @@ def merges_of(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 
 def hf_tokenizer(enc: tiktoken.Encoding, context: int):
-    """A transformers fast tokenizer with the same vocabulary, merges and split pattern as `enc`."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A transformers fast tokenizer with the same vocabulary, merges and split pattern as `enc`. A run with
+    the start marker gets it as `bos_token`, added in front of every encoded text (as lm-evaluation-harness
+    and `generate` expect), so a document is scored as the run evaluated it."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     ranks = enc._mergeable_ranks  # tiktoken exposes no public accessor for the ranks
@@ -181,13 +183,21 @@ def hf_tokenizer(enc: tiktoken.Encoding, context: int):
         ]
     )
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(EOT_TEXT, special=True, normalized=False)])
-    if tokenizer.token_to_id(EOT_TEXT) != enc.eot_token:
-        raise ExportError(f"EOT would get id {tokenizer.token_to_id(EOT_TEXT)}, the run's is {enc.eot_token}")
+    specials = {text: enc.encode_single_token(text) for text in (EOT_TEXT, BOS_TEXT) if text in enc.special_tokens_set}
+    for text, run_id in sorted(specials.items(), key=lambda item: item[1]):
+        tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+        if tokenizer.token_to_id(text) != run_id:
+            raise ExportError(f"{text} would get id {tokenizer.token_to_id(text)}, the run's is {run_id}")
+    if BOS_TEXT in specials:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{BOS_TEXT} $A",
+            pair=f"{BOS_TEXT} $A {BOS_TEXT} $B",
+            special_tokens=[(BOS_TEXT, specials[BOS_TEXT])],
+        )
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token=EOT_TEXT,
-        bos_token=EOT_TEXT,
+        bos_token=BOS_TEXT if BOS_TEXT in specials else EOT_TEXT,
         model_max_length=context,
         split_special_tokens=True,  # a literal "<|endoftext|>" in text is text, as the run encoded it
         clean_up_tokenization_spaces=False,
@@ -213,14 +223,21 @@ def model_card(state: dict, out_dir: Path, config: dict) -> str:
             f"- architecture: {config['architectures'][0]} ({cfg.n_layer} layers, {cfg.n_embd} wide, "
             f"{cfg.n_head} heads, context {cfg.seq_len}, positions {cfg.pos_emb})",
             f"- trained: {state['step']} steps of {cfg.batch_size * cfg.grad_accum} x {cfg.seq_len} tokens, "
-            f"packing={cfg.packing}, doc_mask={cfg.doc_mask}, reset_position_ids={cfg.reset_position_ids}, "
-            f"mask_boundary_loss={cfg.mask_boundary_loss}, seed {cfg.seed}",
+            f"packing={cfg.packing}, bos={cfg.bos}, doc_mask={cfg.doc_mask}, "
+            f"reset_position_ids={cfg.reset_position_ids}, mask_boundary_loss={cfg.mask_boundary_loss}, "
+            f"seed {cfg.seed}",
             f"- data: {cfg.dataset}, tokenizer {state['tokenizer']['name']} ({cfg.tokenizer})",
             f"- final val_doc_loss (every validation document alone, nats per token): {loss}",
             "",
-            "Each input is one document from position 0, as the model was evaluated. The document mask of "
-            "packed training rows is not part of this format: give one document per sequence. The tokenizer "
-            "reads a literal `<|endoftext|>` in text as text; the end-of-text token is its `eos_token`.",
+            "Each input is one document from position 0, as the model was evaluated"
+            + (
+                ", after the start marker `<|bos|>`, which the tokenizer adds in front of every text (its `bos_token`)."
+                if cfg.bos
+                else ", with nothing before it: the model was trained without a start marker."
+            )
+            + " The document mask of packed training rows is not part of this format: give one document per "
+            "sequence. The tokenizer reads a literal `<|endoftext|>` or `<|bos|>` in text as text; the "
+            "end-of-text token is its `eos_token`.",
             "",
         ]
     )
@@ -244,7 +261,8 @@ def export(out_dir: Path, to: Path, overwrite: bool = False) -> dict:
     model = run_folder.trained_model(state, torch.device("cpu"), attn_impl="sdpa").float()
     enc = run_folder.checkpoint_tokenizer(state)
     config, weights = MAPPINGS[pos_emb](model)
-    config.update(bos_token_id=enc.eot_token, eos_token_id=enc.eot_token, dtype="float32")
+    bos_id = enc.encode_single_token(BOS_TEXT) if BOS_TEXT in enc.special_tokens_set else enc.eot_token
+    config.update(bos_token_id=bos_id, eos_token_id=enc.eot_token, dtype="float32")
     tmp = to.with_name(f".{to.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -297,7 +315,8 @@ def check(folder: Path, model: GPT, enc: tiktoken.Encoding, state: dict, lengths
         raise ExportError(f"the exported model's logits differ from the run's by up to {worst:.2e}")
     texts = validation_texts(state, enc)
     for text in texts:
-        if tokenizer.encode(text, add_special_tokens=False) != enc.encode_ordinary(text):
+        plain, opening = enc.encode_ordinary(text), document_opening(enc, text)
+        if tokenizer.encode(text, add_special_tokens=False) != plain or tokenizer(text)["input_ids"] != opening:
             raise ExportError(f"the exported tokenizer encodes {text[:60]!r} differently from the run")
     return {"max_abs_logit_difference": worst, "tokenizer_texts": len(texts)}
 
@@ -309,7 +328,7 @@ def validation_texts(state: dict, enc: tiktoken.Encoding, n: int = 64) -> list[s
 
     texts = [
         "def f(x):\n    return x  # ünïcödé, 日本語, emoji 🙂\n\n\n\t\t  trailing   ",
-        f"a literal {EOT_TEXT} inside a document, twice{EOT_TEXT}",
+        f"a literal {EOT_TEXT} inside a document, twice{EOT_TEXT}, and a literal {BOS_TEXT} too",
         "  leading spaces, CRLF\r\n and numbers 1234567 3.14159",
     ]
     try:

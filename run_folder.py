@@ -237,9 +237,10 @@ class Checkpointer:
     """Writes out_dir/ckpt.pt: the model, the optimizer, the data position and every process's RNG state,
     with the settings and the tokenizer, so the run resumes exactly and its folder stands alone."""
 
-    def __init__(self, cfg: Config, model_config: GPTConfig, shard_path: Path, shards: data.Shards) -> None:
+    def __init__(
+        self, cfg: Config, model_config: GPTConfig, shard_path: Path, shards: data.Shards, enc: tiktoken.Encoding
+    ) -> None:
         self.path = Path(cfg.out_dir) / "ckpt.pt"
-        enc = data.load_tokenizer(shard_path)
         self.fixed = {
             "config": dataclasses.asdict(cfg),
             "model_config": dataclasses.asdict(model_config),
@@ -249,6 +250,7 @@ class Checkpointer:
                 "pattern": enc._pat_str,
                 "file": (shard_path / "tokenizer.tiktoken").read_bytes(),
                 "eot_id": enc.eot_token,
+                "bos_id": enc.encode_single_token(data.BOS_TEXT) if data.BOS_TEXT in enc.special_tokens_set else None,
             },
             "shards": str(shard_path.resolve()),
         }
@@ -304,7 +306,8 @@ def checkpoint_tokenizer(state: dict) -> tiktoken.Encoding:
     """The tokenizer a checkpoint was trained with, stored in it so a run folder stands alone."""
     tok = state["tokenizer"]
     where = "the checkpoint's tokenizer"
-    return data.read_tiktoken(tok["file"], tok["pattern"], tok["name"], where, tok.get("eot_id"))
+    enc = data.read_tiktoken(tok["file"], tok["pattern"], tok["name"], where, tok.get("eot_id"))
+    return data.with_start_marker(enc, tok.get("bos_id"))
 
 
 class TrainedRun(NamedTuple):

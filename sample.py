@@ -16,7 +16,7 @@ import torch
 
 import run_folder
 from config import MAX_SEED, ArgumentParser, ConfigError, expanded_path, resolve_device, run_main
-from data import DataError, decoded
+from data import DataError, decoded, document_opening
 
 
 def main(argv: list[str]) -> int:
@@ -24,7 +24,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--out_dir", default="out", type=expanded_path, help="the training run's folder (holds ckpt.pt)"
     )
-    parser.add_argument("--prompt", default="def ", help="text the samples continue; each starts a new document")
+    parser.add_argument(
+        "--prompt", default="def ", help="text the samples continue; each starts a new document (after its BOS)"
+    )
     parser.add_argument("--num_samples", type=int, default=1, help="how many samples to print")
     parser.add_argument("--max_new_tokens", type=int, default=200, help="stop after this many tokens (or at EOT)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy; higher is more random")
@@ -46,9 +48,9 @@ def main(argv: list[str]) -> int:
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    prompt = torch.tensor([enc.encode_ordinary(args.prompt)], dtype=torch.long, device=device)
+    prompt = torch.tensor([document_opening(enc, args.prompt)], dtype=torch.long, device=device)
     if prompt.shape[1] == 0:
-        print("error: the prompt is empty", file=sys.stderr)
+        print("error: the prompt is empty, and this run has no start marker (bos) to start from", file=sys.stderr)
         return 1
     torch.manual_seed(args.seed)
     for i in range(args.num_samples):

@@ -115,25 +115,25 @@ def accumulate_gradients(
 def evaluate(
     model: torch.nn.Module,
     model_config: GPTConfig,
-    val: data.TokenStream | np.ndarray,
-    eot_id: int,
-    cfg: Config,
+    packed: PackedBatches,
+    alone: PackedBatches,
     device: torch.device,
     precision,
     print_progress=None,
 ) -> dict:
-    """On `val`, the fixed validation subset (whole documents):
-    val_loss: packed rows under this run's packing and flags.
-    val_doc_loss: every document alone from position 0 (the inference setting; the same computation for
-    every run). Its loss sums and counted targets by position within the document (positions below
-    seq_len) and by document are kept too, so that any band of positions, or any subset of documents,
-    can be scored from metrics.jsonl without running the model again. `print_progress`: where to print progress
-    every 10 seconds, when there is that much to do."""
+    """On the fixed validation subset (whole documents), planned once per run:
+    val_loss: `packed`, rows under this run's packing and flags.
+    val_doc_loss: `alone`, every document alone from its start (the inference setting; the same
+    computation for every run with the same start marker). Under the marker it scores each document's first
+    token too (predicted from the BOS); val_doc_loss_from_second scores the targets both conventions share
+    (every token from the second on, and the EOT), so the two can be compared. Loss sums and counted
+    targets by position within the document's text (the input's position, below seq_len: position p predicts
+    the token after the p-th) and by document are kept too, so that any band of positions, or any subset of
+    documents, can be scored from metrics.jsonl without running the model again. `print_progress`: where to
+    print progress every 10 seconds, when there is that much to do."""
     model.eval()
-    common = dict(stream=val, eot_id=eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, shuffle=False)
-    packed = PackedBatches(packing=cfg.packing, flags=cfg.flags, split="val", **common)
-    alone = PackedBatches(packing="pad", split="val", **common)  # every fix on: the inference setting
-    n_batches = -(-len(packed.starts) // cfg.batch_size) - (-len(alone.starts) // cfg.batch_size)
+    seq_len, batch_size = alone.seq_len, alone.batch_size
+    n_batches = -(-len(packed) // packed.batch_size) - (-len(alone) // batch_size)
     progress = EvaluationProgress(n_batches, print_progress)
     total, count = torch.zeros((), device=device), torch.zeros((), device=device)
     for batch in packed.all_batches():
@@ -142,35 +142,55 @@ def evaluate(
         with precision:
             losses, counted = token_losses(model, batch, model_config)
         total, count = total + losses.sum(), count + counted.sum()
-    document_of_row = torch.from_numpy(np.cumsum(alone.offsets == 0) - 1).to(device)  # a long document has several
-    n_documents = int(document_of_row[-1]) + 1
-    by_position = torch.zeros(2, cfg.seq_len, dtype=torch.float64, device=device)  # loss sum, counted targets
+    document_of_row = torch.from_numpy(alone.document_of_rows()).to(device)  # a long document has several rows
+    n_documents = len(alone.documents)
+    by_position = torch.zeros(2, seq_len, dtype=torch.float64, device=device)  # loss sum, counted targets
     by_document = torch.zeros(2, n_documents, dtype=torch.float64, device=device)
-    for first_row, batch in zip(range(0, len(alone.starts), cfg.batch_size), alone.all_batches()):
+    first_token = torch.zeros(n_documents, dtype=torch.float64, device=device)  # predicted from the BOS
+    for first_row, batch in zip(range(0, len(alone), batch_size), alone.all_batches()):
         progress.step()
         batch = batch.to(device)
         with precision:
             losses, counted = token_losses(model, batch, model_config)
-        rows = document_of_row[first_row : first_row + cfg.batch_size]
+        rows = document_of_row[first_row : first_row + batch_size]
         real = slice(0, len(rows))  # the last batch is filled up with empty rows
         by_document[0].index_add_(0, rows, losses[real].sum(1).double())
         by_document[1].index_add_(0, rows, counted[real].sum(1).double())
-        early = counted & (batch.doc_positions < cfg.seq_len)  # not the later chunks of long documents
-        positions = batch.doc_positions[early]
-        by_position[0].index_add_(0, positions, losses[early].double())
+        from_bos = counted & (batch.doc_positions == -1)
+        first_token.index_add_(0, rows, (losses * from_bos)[real].sum(1).double())
+        in_text = counted & (batch.doc_positions >= 0) & (batch.doc_positions < seq_len)  # not later chunks
+        positions = batch.doc_positions[in_text]
+        by_position[0].index_add_(0, positions, losses[in_text].double())
         by_position[1].index_add_(0, positions, torch.ones_like(positions, dtype=torch.float64))
     model.train()
     n_positions = int((by_position[1] > 0).sum())
     by_position = by_position[:, :n_positions].tolist()
     by_document = by_document.tolist()
-    return {
+    marker = alone.documents.marker
+    result = {
         "val_loss": (total / count.clamp(min=1)).item(),
         "val_doc_loss": sum(by_document[0]) / max(1.0, sum(by_document[1])),
+        "val_doc_loss_from_second": (sum(by_document[0]) - float(first_token.sum()))
+        / max(1.0, sum(by_document[1]) - marker * n_documents),
         "val_doc_loss_sum_by_position": [round(x, 4) for x in by_position[0]],
         "val_doc_count_by_position": [int(x) for x in by_position[1]],
         "val_doc_loss_sum_by_document": [round(x, 4) for x in by_document[0]],
         "val_doc_count_by_document": [int(x) for x in by_document[1]],
     }
+    if marker:
+        result["val_first_token_loss"] = float(first_token.mean())
+        result["val_doc_first_token_loss_by_document"] = [round(x, 4) for x in first_token.tolist()]
+    return result
+
+
+def validation_sets(
+    val: data.TokenStream | np.ndarray, eot_id: int, cfg: Config, bos_id: int | None = None
+) -> tuple[PackedBatches, PackedBatches]:
+    """The validation documents as `evaluate` takes them: rows under the run's packing and flags, and each
+    document alone (pad rows, every fix on: the inference setting)."""
+    common = dict(eot_id=eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, bos_id=bos_id, shuffle=False)
+    packed = PackedBatches(val, packing=cfg.packing, flags=cfg.flags, split="val", **common)
+    return packed, PackedBatches(val, packing="pad", split="val", **common)
 
 
 class EvaluationProgress:
@@ -233,7 +253,7 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
         )
 
     # Data. A model that cannot fit is refused before the data is prepared (the vocabulary is a guess until then).
-    guessed_vocab = cfg.tokenizer_vocab_size if cfg.tokenizer == "bpe" else 256
+    guessed_vocab = (cfg.tokenizer_vocab_size if cfg.tokenizer == "bpe" else 256) + cfg.bos
     run_folder.check_fits(model_settings(cfg, guessed_vocab), cfg.batch_size, device)
     failed = None
     if main_process:  # process 0 prepares the data first; the others then find it
@@ -252,6 +272,10 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
     val = data.leading_documents(shards.val, shards.eot_id, cfg.eval_tokens)
     if checkpoint is not None and checkpoint["tokenizer_sha256"] != shards.meta["tokenizer_sha256"]:
         raise ConfigError(f"{ckpt_path} was trained with another tokenizer than the shards in {shard_path}")
+    enc = data.load_tokenizer(shard_path)
+    bos_id = data.start_marker_id(enc) if cfg.bos else None
+    enc = data.with_start_marker(enc, bos_id)
+    # every split's rows are planned once, here, from the data alone
     train_batches = PackedBatches(
         shards.train,
         shards.eot_id,
@@ -259,16 +283,16 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
         cfg.batch_size,
         cfg.packing,
         flags=cfg.flags,
-        shuffle=True,
+        bos_id=bos_id,
         seed=cfg.seed,
         rank=rank,
         world_size=world_size,
     )
-    PackedBatches(val, shards.eot_id, cfg.seq_len, 1, cfg.packing, shuffle=False, split="val")  # fails early: no row
+    val_packed, val_alone = validation_sets(val, shards.eot_id, cfg, bos_id)
 
     # Model and optimizer, from the checkpoint when resuming.
     torch.manual_seed(cfg.seed)
-    model_config = model_settings(cfg, shards.vocab_size)
+    model_config = model_settings(cfg, enc.n_vocab)
     run_folder.check_fits(model_config, cfg.batch_size, device)
     model = GPT(model_config).to(device)
     if world_size > 1:
@@ -293,19 +317,22 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
     if main_process:
         run_folder.write_atomically(out_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
     log = run_folder.MetricsLog(out_dir, cfg, start_step if checkpoint else None, world_size, enabled=main_process)
-    checkpoints = run_folder.Checkpointer(cfg, model_config, shard_path, shards)
+    checkpoints = run_folder.Checkpointer(cfg, model_config, shard_path, shards, enc)
     print0(
         f"model: {model.num_params() / 1e6:.2f}M parameters, pos_emb={cfg.pos_emb}, device={device}, "
         f"attention={attention_impl(cfg.doc_mask, cfg.attn_impl, device)}"
         + (f", {world_size} processes" if world_size > 1 else "")
     )
     print0(
-        f"run: {cfg.max_iters} steps of {log.tokens_per_step:,} tokens, packing={cfg.packing}, "
+        f"run: {cfg.max_iters} steps of {log.tokens_per_step:,} tokens, packing={cfg.packing}, bos={cfg.bos}, "
         f"doc_mask={cfg.doc_mask}, reset_position_ids={cfg.reset_position_ids}, "
         f"mask_boundary_loss={cfg.mask_boundary_loss}" + (f", resuming after step {start_step}" if checkpoint else "")
     )
-    n_val_docs = len(data.eot_positions(val, shards.eot_id))
-    print0(f"eval: {len(val):,} validation tokens ({n_val_docs:,} documents) per evaluation")
+    packing_statistics = train_batches.statistics()
+    print0(f"data: {data.describe_packing(cfg.packing, packing_statistics)}")
+    if checkpoint is None:
+        log.write({"step": 0, "packing_statistics": packing_statistics})
+    print0(f"eval: {len(val):,} validation tokens ({len(val_alone.documents):,} documents) per evaluation")
 
     # The loop. The loss stays on the device between log steps: checking it every step would wait for the GPU.
     result: dict = {}
@@ -340,7 +367,7 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
                 if main_process:  # the unwrapped model: a DDP forward on one process alone would hang
                     result = {
                         "step": step,
-                        **evaluate(fast_model, model_config, val, shards.eot_id, cfg, device, precision, print0),
+                        **evaluate(fast_model, model_config, val_packed, val_alone, device, precision, print0),
                     }
                     if not (math.isfinite(result["val_loss"]) and math.isfinite(result["val_doc_loss"])):
                         raise TrainingDiverged(
@@ -357,8 +384,7 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
 
     # The end: a short sample from the trained model.
     if main_process and cfg.sample_prompt and cfg.sample_tokens and result:
-        enc = data.load_tokenizer(shard_path)
-        prompt = torch.tensor([enc.encode_ordinary(cfg.sample_prompt)], device=device)
+        prompt = torch.tensor([data.document_opening(enc, cfg.sample_prompt)], device=device)
         with precision:
             out = model.eval().generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50, stop_token=shards.eot_id)
         text = data.decoded(enc, out[0].tolist())

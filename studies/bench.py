@@ -186,8 +186,7 @@ def synthetic_batch(doc_ids: torch.Tensor, vocab_size: int, doc_mask: bool = Tru
     tokens = np.random.default_rng(0).integers(0, eot, (B, T + 1))
     ends = doc_ids[:, 1:].cpu().numpy() != doc_ids[:, :-1].cpu().numpy()  # slot t ends its document
     tokens[:, : T - 1][ends] = eot
-    starts = np.arange(B) * (T + 1)
-    batch = data.make_batch(tokens.reshape(-1), starts, np.full(B, T + 1), T, eot, flags=data.Flags(doc_mask=doc_mask))
+    batch = data.make_batch(tokens, np.full(B, T + 1), eot, flags=data.Flags(doc_mask=doc_mask))
     return batch.to(doc_ids.device)
 
 

@@ -70,12 +70,13 @@ def test_positions_in_documents_restart_on_each_document_of_the_worked_example()
 def test_positions_in_documents_are_the_reset_positions_of_any_batch_padding_included():
     import numpy as np
 
-    from data import make_batch
+    from data import batch_of_rows
 
     rng = np.random.default_rng(0)
     stream = rng.integers(0, EOT, 4 * 65).astype(np.int64)
     stream[rng.random(stream.size) < 0.1] = EOT
-    batch = make_batch(stream, np.arange(4) * 65, np.array([65, 40, 1, 65]), 64, EOT)  # two rows padded
+    rows = [stream[r * 65 : r * 65 + n] for r, n in enumerate([65, 40, 1, 65])]  # two rows padded
+    batch = batch_of_rows(rows, 64, EOT)
     assert torch.equal(positions_in_documents(batch.doc_ids).long(), batch.position_ids)
 
 

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 import train
 from config import Config
-from data import make_batch
+from data import batch_of_rows
 from model import GPT, GPTConfig, attention_mask
 
 EOT = 63
@@ -26,7 +26,7 @@ def packed_batch(seed: int, rows: int = 4):
     rng = np.random.default_rng(seed)
     stream = rng.integers(0, EOT, size=rows * T + 1).astype(np.uint16)
     stream[rng.random(stream.size) < rng.uniform(0.05, 0.3)] = EOT
-    return make_batch(stream, np.arange(rows) * T, np.full(rows, T + 1), T, EOT)
+    return batch_of_rows([stream[r * T : r * T + T + 1] for r in range(rows)], T, EOT)
 
 
 def tiny_gpt(**settings) -> GPT:
@@ -82,12 +82,12 @@ def test_evaluation_compiles_once_even_when_the_last_batch_is_short():
     train.token_losses(compiled, packed_batch(0), model.config)[0].sum().backward()  # a training step first
     after_training = compiled_graphs()
     cpu, fp32 = torch.device("cpu"), torch.autocast("cpu", enabled=False)
-    first = train.evaluate(compiled, model.config, val, EOT, cfg, cpu, fp32)
+    first = train.evaluate(compiled, model.config, *train.validation_sets(val, EOT, cfg), cpu, fp32)
     assert compiled_graphs() == after_training + 1  # the same shapes without gradients: one graph for all batches
-    second = train.evaluate(compiled, model.config, val, EOT, cfg, cpu, fp32)
+    second = train.evaluate(compiled, model.config, *train.validation_sets(val, EOT, cfg), cpu, fp32)
     assert compiled_graphs() == after_training + 1
     assert first == second
-    eager = train.evaluate(model, model.config, val, EOT, cfg, cpu, fp32)
+    eager = train.evaluate(model, model.config, *train.validation_sets(val, EOT, cfg), cpu, fp32)
     assert eager["val_doc_loss"] == pytest.approx(first["val_doc_loss"], rel=1e-5)
 
 

@@ -17,7 +17,7 @@ from conftest import ROOT, make_documents
 import corpora
 import data
 import prepare
-from data import EOT_TEXT, DataError, PackedBatches, TokenStream
+from data import BOS_TEXT, EOT_TEXT, DataError, PackedBatches, TokenStream
 from prepare import PrepareSettings
 
 SMALL = PrepareSettings(vocab_size=300, val_fraction=0.25)
@@ -85,6 +85,26 @@ def test_literal_endoftext_in_a_document_stays_text(tmp_path):
     n_eot = int((shards.train[:] == shards.eot_id).sum() + (shards.val[:] == shards.eot_id).sum())
     assert n_eot == 16  # one per document, none from the literal text
     assert f"a {EOT_TEXT} b" in decoded_documents(path, "train") + decoded_documents(path, "val")
+
+
+def test_a_literal_bos_text_stays_text_and_the_marker_enters_when_rows_are_built(tmp_path):
+    docs = [f"x {BOS_TEXT} y"] + [f"doc {i}" for i in range(15)]
+    path = prepare_docs(tmp_path, docs)
+    shards = data.load_shards(path)
+    bos = data.start_marker_id(data.load_tokenizer(path))
+    assert bos == shards.vocab_size  # one past the EOT of a BPE trained here
+    assert f"x {BOS_TEXT} y" in decoded_documents(path, "train") + decoded_documents(path, "val")
+    stream = np.concatenate([shards.train[:], shards.val[:]])
+    assert not (stream == bos).any()  # the shards hold no marker: the same folder serves both conventions
+    batch = PackedBatches(stream, shards.eot_id, 512, 1, "pad", bos_id=bos, shuffle=False).batch(np.arange(16))
+    assert (batch.inputs[:, 0] == bos).all() and int((batch.inputs == bos).sum()) == 16  # one per document
+
+
+def test_a_tokenizer_that_holds_the_marker_text_as_a_token_cannot_take_the_marker():
+    ranks = {bytes([b]): b for b in range(256)} | {BOS_TEXT.encode(): 256}
+    enc = data.tiktoken_encoding(ranks, prepare.SPLIT_PATTERN, "odd")
+    with pytest.raises(DataError, match=r"holds '<\|bos\|>' as an ordinary token \(id 256\).*use bos=false"):
+        data.start_marker_id(enc)
 
 
 def test_preparation_is_deterministic(tmp_path):
@@ -203,6 +223,7 @@ def test_packages_files_corpus_is_the_same_modules_each_one_whole_document():
     definitions, files = corpora.resolve_dataset("packages"), corpora.resolve_dataset("packages-files")
     assert files.files == definitions.files and files.builtin == "packages-files"
     docs = list(itertools.islice(corpora.read_documents(files), 200))
+
     def whole(path):
         try:
             return path.read_bytes().decode("utf-8").removeprefix("\ufeff")
@@ -306,10 +327,10 @@ def test_small_shards_give_the_same_stream_and_batches_as_one_shard(tmp_path, mo
     many = prepare.prepare(str(tmp_path / "c.jsonl"), str(tmp_path / "data_small"), SMALL, **QUIET)
     a, b = data.load_shards(one), data.load_shards(many)
     assert len(b.train.parts) > 3 and np.array_equal(a.train[:], b.train[:])
-    for packing in ("concat", "pad"):
-        x = PackedBatches(a.train, a.eot_id, 64, 8, packing, seed=5)
-        y = PackedBatches(b.train, b.eot_id, 64, 8, packing, seed=5)
-        for _ in range(3 * len(x.starts) // 8):  # several epochs
+    for packing, bos_id in [("concat", None), ("pad", None), ("bestfit", None), ("bestfit", a.vocab_size)]:
+        x = PackedBatches(a.train, a.eot_id, 64, 8, packing, bos_id=bos_id, seed=5)
+        y = PackedBatches(b.train, b.eot_id, 64, 8, packing, bos_id=bos_id, seed=5)
+        for _ in range(3 * len(x) // 8):  # several epochs
             bx, by = x.next(), y.next()
             assert all(torch.equal(getattr(bx, f), getattr(by, f)) for f in bx.TENSORS)
 

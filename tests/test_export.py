@@ -12,22 +12,25 @@ import torch
 import transformers
 from conftest import tiny_args
 
+import data
 import export_hf
 import run_folder
 import sample
 import train
-from config import parse_config
+from config import Config, parse_config
+from data import BOS_TEXT, EOT_TEXT, decoded, document_opening
 
 pytestmark = pytest.mark.slow  # every test here trains a model first
 
 PROMPT = "def f(value):\n    return"
 
 
-@pytest.fixture(scope="module", params=["learned", "rope"])
+@pytest.fixture(scope="module", params=["learned", "rope", "learned+bos", "rope+bos"])
 def run(request, tiny_corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"run_{request.param}")
-    args = tiny_args(tiny_corpus, tmp_path_factory.mktemp("data"), out, max_iters=30, eval_interval=30)
-    train.train(parse_config(args + [f"--pos_emb={request.param}", "--lr=1e-2", "--warmup_iters=5"]))
+    pos_emb, bos = request.param.split("+")[0], request.param.endswith("+bos")
+    out = tmp_path_factory.mktemp(f"run_{pos_emb}_{'bos' if bos else 'plain'}")
+    args = tiny_args(tiny_corpus, tmp_path_factory.mktemp("data"), out, max_iters=30, eval_interval=30, eval_tokens=0)
+    train.train(parse_config(args + [f"--pos_emb={pos_emb}", f"--bos={bos}", "--lr=1e-2", "--warmup_iters=5"]))
     return out
 
 
@@ -89,22 +92,53 @@ def test_the_tokenizer_gives_the_runs_ids(exported, run):
     for text in texts:
         ids = enc.encode_ordinary(text)
         assert tokenizer.encode(text, add_special_tokens=False) == ids, text[:80]
+        assert tokenizer(text)["input_ids"] == document_opening(enc, text), text[:80]  # the BOS, when the run has it
         assert tokenizer.decode(ids) == text
     assert len(texts) > 20
+    assert any(BOS_TEXT in text for text in texts) and any(EOT_TEXT in text for text in texts)  # literals stay text
 
 
 def test_greedy_generation_gives_the_tokens_of_sample_py(exported, run, capsys):
     folder, _ = exported
     model, enc, _ = ours(run)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    prompt = torch.tensor([enc.encode_ordinary(PROMPT)])
+    prompt = torch.tensor([document_opening(enc, PROMPT)])
     theirs = hf.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=enc.eot_token, pad_token_id=0)
     mine = model.generate(prompt, 20, temperature=0, stop_token=enc.eot_token)
     assert theirs[0].tolist() == mine[0].tolist()
     capsys.readouterr()
     assert sample.main([f"--out_dir={run}", f"--prompt={PROMPT}", "--temperature=0", "--max_new_tokens=20"]) == 0
     printed = capsys.readouterr().out.split("\n", 1)[1].rstrip("\n")
-    assert printed == enc.decode([t for t in theirs[0].tolist() if t != enc.eot_token])
+    assert printed == decoded(enc, theirs[0].tolist())
+    assert (BOS_TEXT in enc.special_tokens_set) == (theirs[0, 0] == enc.n_vocab - 1)  # sampling starts at the BOS
+
+
+def test_the_exports_log_likelihood_of_a_document_is_the_runs_loss_of_it_alone(exported, run):
+    """What lm-evaluation-harness and `generate` see: the tokenizer's encoding of a validation document (the
+    BOS first, when the run has the marker) and its EOT, scored by the exported model, gives the loss the
+    run's own evaluation logged for that document."""
+    folder, _ = exported
+    _, enc, state = ours(run)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    cfg = Config(**state["config"])
+    shards = data.load_shards(state["shards"])
+    val = data.leading_documents(shards.val, shards.eot_id, cfg.eval_tokens)
+    starts, ends = data.document_bounds(val, shards.eot_id)
+    logged = [r for _, r in run_folder.read_metrics(run / "metrics.jsonl") if "val_doc_loss" in r][-1]
+    checked = 0
+    for i, (s, e) in enumerate(zip(starts, ends)):
+        ids = tokenizer(enc.decode(val[s : e - 1].tolist()))["input_ids"] + [tokenizer.eos_token_id]
+        if len(ids) > cfg.seq_len + 1:  # the run scores a longer document in chunks, the export cannot
+            continue
+        ids = torch.tensor([ids])
+        with torch.no_grad():
+            logits = hf(input_ids=ids[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits[0], ids[0, 1:], reduction="sum")
+        assert logged["val_doc_count_by_document"][i] == ids.shape[1] - 1
+        assert float(loss) == pytest.approx(logged["val_doc_loss_sum_by_document"][i], abs=2e-3)
+        checked += 1
+    assert checked >= 5
 
 
 @pytest.mark.parametrize("defect", ["transposed", "heads reordered"])

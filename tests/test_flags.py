@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from data import IGNORE_INDEX, Flags, make_batch
+from data import IGNORE_INDEX, Flags, batch_of_rows
 from model import GPT, GPTConfig, attention_mask
 
 EOT = 63
@@ -12,7 +12,7 @@ STREAM = np.array([5, 6, 7, EOT, 8, 9, EOT, 10, 11, 12, 13, EOT] * 3, dtype=np.u
 
 
 def batch(**flags: bool):
-    return make_batch(STREAM, np.array([0, 5]), np.array([T + 1, T + 1]), T, EOT, flags=Flags(**flags))
+    return batch_of_rows([STREAM[0 : T + 1], STREAM[5 : T + 6]], T, EOT, flags=Flags(**flags))
 
 
 def test_reset_position_ids_off_changes_only_the_position_ids():

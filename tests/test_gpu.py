@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import train
-from data import make_batch
+from data import batch_of_rows
 from model import GPT, GPTConfig, attention_mask
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -21,7 +21,7 @@ def packed_batch(device):
     stream = rng.integers(0, EOT, size=8 * T + 1).astype(np.uint16)
     stream[rng.random(stream.size) < 1 / 40] = EOT  # ~40-token documents, boundaries off the 128 grid
     starts = np.arange(8) * T
-    return make_batch(stream, starts, np.full(8, T + 1), T, EOT).to(device)
+    return batch_of_rows([stream[s : s + T + 1] for s in starts], T, EOT).to(device)
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-4), (torch.bfloat16, 5e-2)])
@@ -60,7 +60,7 @@ def test_the_compiled_training_step_is_one_graph_and_never_recompiles():
     def new_batch():
         stream = rng.integers(0, EOT, size=8 * T + 1).astype(np.uint16)
         stream[rng.random(stream.size) < rng.uniform(0.005, 0.05)] = EOT  # a new layout every step
-        return make_batch(stream, np.arange(8) * T, np.full(8, T + 1), T, EOT).to("cuda")
+        return batch_of_rows([stream[r * T : r * T + T + 1] for r in range(8)], T, EOT).to("cuda")
 
     b = new_batch()
     with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from data import Flags, make_batch
+from data import Flags, batch_of_rows
 from model import GPT, GPTConfig, attention_mask
 from train import accumulate_gradients, token_losses
 
@@ -27,11 +27,11 @@ def documents(seed: int = 0, lengths=(9, 6, 12)) -> list[np.ndarray]:
 def packed(docs: list[np.ndarray], **flags: bool):
     """One row holding the documents back to back, padded to T."""
     stream = np.concatenate(docs)
-    return make_batch(stream, np.array([0]), np.array([len(stream)]), T, EOT, flags=Flags(**flags))
+    return batch_of_rows([stream], T, EOT, flags=Flags(**flags))
 
 
 def alone(doc: np.ndarray):
-    return make_batch(doc, np.array([0]), np.array([len(doc)]), T, EOT)
+    return batch_of_rows([doc], T, EOT)
 
 
 def logits(model: GPT, batch) -> torch.Tensor:
@@ -55,6 +55,23 @@ def test_document_in_a_packed_row_matches_the_document_alone(pos_emb):
     expected = logits(model, alone(docs[1]))[0, :n]
     assert torch.allclose(got, expected, atol=1e-5)
     # with the mask off the earlier document leaks in, so the same comparison fails
+    leaky = logits(model, packed(docs, doc_mask=False))[0, start : start + n]
+    assert not torch.allclose(leaky, expected, atol=1e-3)
+
+
+BOS = 64  # one past the vocabulary of the documents: the start marker
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_with_the_start_marker_a_packed_document_matches_it_alone_from_its_bos(pos_emb):
+    docs = [np.insert(d, 0, BOS) for d in documents()]  # BOS, text, EOT
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, seq_len=T, n_layer=2, n_head=2, n_embd=32, pos_emb=pos_emb))
+    start, n = len(docs[0]), len(docs[1])
+    got = logits(model, packed(docs))[0, start : start + n]
+    expected = logits(model, alone(docs[1]))[0, :n]
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert packed(docs).position_ids[0, start] == 0  # the BOS sits at position 0
     leaky = logits(model, packed(docs, doc_mask=False))[0, start : start + n]
     assert not torch.allclose(leaky, expected, atol=1e-3)
 

@@ -1,4 +1,5 @@
-"""Packing semantics (data.py), pinned down against the spec in the README, section "The three flags"."""
+"""Packing semantics (data.py), pinned down against the spec in the README, section "The three flags", and
+against references written independently of the code: token-by-token loops and a brute-force best fit."""
 
 import numpy as np
 import pytest
@@ -7,16 +8,23 @@ from conftest import reference_semantics
 
 from data import (
     IGNORE_INDEX,
+    PACKINGS,
+    Documents,
     PackedBatches,
+    batch_of_rows,
+    best_fit_decreasing,
     boundary_loss_masked,
     concat_rows,
+    document_chunks,
     document_ids,
-    make_batch,
+    packing_statistics,
     pad_rows,
     reset_positions,
 )
+from model import document_causal_dense
 
 EOT = 99
+BOS = 100
 
 
 def row_from_lengths(lengths: list[int], start_offset: int = 0) -> torch.Tensor:
@@ -27,10 +35,44 @@ def row_from_lengths(lengths: list[int], start_offset: int = 0) -> torch.Tensor:
     return torch.tensor(tokens[start_offset:])
 
 
+def stream_of(lengths: list[int], seed: int = 0) -> np.ndarray:
+    """Documents of these lengths (EOT included) with random text tokens, back to back."""
+    rng = np.random.default_rng(seed)
+    return np.concatenate([np.append(rng.integers(0, EOT, n - 1), EOT) for n in lengths]).astype(np.uint16)
+
+
+def with_markers_by_hand(stream: np.ndarray) -> list[int]:
+    """The document stream with the start marker, one token at a time: BOS before every document."""
+    out, at_start = [], True
+    for token in stream.tolist():
+        if at_start:
+            out.append(BOS)
+        out.append(token)
+        at_start = token == EOT
+    return out
+
+
 def test_worked_example_lengths_3_2_3():
     x = row_from_lengths([3, 2, 3])[None]
     assert document_ids(x, EOT).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
     assert reset_positions(x, EOT).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+
+
+def test_worked_example_with_the_start_marker():
+    # the same documents, each now BOS, text, EOT: 4, 3 and 4 tokens in one 11-slot row
+    stream = row_from_lengths([3, 2, 3]).numpy()
+    docs = Documents(stream, EOT, bos_id=BOS)
+    row = docs.tokens(np.arange(docs.n_tokens))
+    assert row.tolist() == [BOS, 10, 10, EOT, BOS, 11, EOT, BOS, 12, 12, EOT]
+    x = torch.from_numpy(row)[None]
+    assert document_ids(x, EOT).tolist() == [[0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2]]
+    assert reset_positions(x, EOT).tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3]]  # the BOS at position 0
+    allowed = document_causal_dense(document_ids(x, EOT))[0, 0]
+    blocks = torch.block_diag(*(torch.ones(n, n, dtype=torch.bool).tril() for n in (4, 3, 4)))
+    assert torch.equal(allowed, blocks)  # three lower triangles, 4x4, 3x3 and 4x4
+    # the first text token is predicted from the BOS and counts; the BOS itself, predicted from the EOT, does not
+    b = batch_of_rows([row], 10, EOT)
+    assert b.targets.tolist() == [[10, 10, EOT, IGNORE_INDEX, 11, EOT, IGNORE_INDEX, 12, 12, EOT]]
 
 
 @pytest.mark.parametrize(
@@ -50,8 +92,7 @@ def test_edge_cases(x, docs, positions):
 
 
 def test_loss_mask_ignores_target_after_eot_and_keeps_eot_as_target():
-    stream = np.array([1, 2, EOT, 3, 4, EOT, 5, 6, 7], dtype=np.uint16)
-    b = make_batch(stream, np.array([0]), np.array([9]), 8, EOT)
+    b = batch_of_rows([np.array([1, 2, EOT, 3, 4, EOT, 5, 6, 7])], 8, EOT)
     # x = 1 2 EOT 3 4 EOT 5 6, y = 2 EOT 3 4 EOT 5 6 7
     assert b.targets.tolist() == [[2, EOT, IGNORE_INDEX, 4, EOT, IGNORE_INDEX, 6, 7]]
 
@@ -59,23 +100,23 @@ def test_loss_mask_ignores_target_after_eot_and_keeps_eot_as_target():
 def test_last_target_is_right_when_the_row_ends_on_eot():
     # The last input is EOT: its target (first token of the next row's document) must be ignored,
     # which a target-side rule computed over T tokens instead of T+1 would get wrong.
-    stream = np.array([1, 2, 3, EOT, 8], dtype=np.uint16)
-    b = make_batch(stream, np.array([0]), np.array([5]), 4, EOT)
-    assert b.targets.tolist() == [[2, 3, EOT, IGNORE_INDEX]]
+    assert batch_of_rows([np.array([1, 2, 3, EOT, 8])], 4, EOT).targets.tolist() == [[2, 3, EOT, IGNORE_INDEX]]
     # and when the next row starts on an EOT target, that target (the last one here) is kept
-    stream = np.array([1, 2, 3, 4, EOT], dtype=np.uint16)
-    assert make_batch(stream, np.array([0]), np.array([5]), 4, EOT).targets.tolist() == [[2, 3, 4, EOT]]
+    assert batch_of_rows([np.array([1, 2, 3, 4, EOT])], 4, EOT).targets.tolist() == [[2, 3, 4, EOT]]
 
 
-def test_vectorised_batch_matches_the_token_by_token_reference():
+@pytest.mark.parametrize("bos_id", [None, BOS])
+def test_concat_batches_match_the_token_by_token_reference(bos_id):
     rng = np.random.default_rng(0)
     stream = rng.integers(0, 20, size=5000).astype(np.uint16)
     stream[rng.random(5000) < 0.08] = EOT  # documents of ~12 tokens on average, some of one token
     T = 64
-    starts, n_real, _ = concat_rows(len(stream), T)
-    b = make_batch(stream, starts, n_real, T, EOT)
-    for r, s in enumerate(starts):
-        x, y = stream[s : s + T].tolist(), stream[s + 1 : s + T + 1].tolist()
+    by_hand = np.array(with_markers_by_hand(stream) if bos_id else stream.tolist())
+    batches = PackedBatches(stream, EOT, T, 1, bos_id=bos_id, shuffle=False)
+    b = batches.batch(np.arange(len(batches)))
+    assert len(b.inputs) == (len(by_hand) - 1) // T
+    for r in range(len(b.inputs)):
+        x, y = by_hand[r * T : r * T + T].tolist(), by_hand[r * T + 1 : r * T + T + 1].tolist()
         docs, pos, masked = reference_semantics(x, y, EOT)
         assert b.inputs[r].tolist() == x
         assert b.doc_ids[r].tolist() == docs
@@ -90,19 +131,26 @@ def test_boundary_loss_masked_uses_the_input_token():
 
 
 def test_concat_rows_cover_the_stream_without_overlap():
-    starts, n_real, _ = concat_rows(1000, 64)
-    assert starts.tolist() == list(range(0, 1000 - 64, 64))
-    assert (starts[-1] + 64 + 1) <= 1000 and (n_real == 65).all()
+    rows = concat_rows(Documents(stream_of([10] * 100), EOT), 64)
+    assert rows.start.tolist() == list(range(0, 1000 - 64, 64))
+    assert (rows.start[-1] + 64 + 1) <= 1000 and (rows.length == 65).all()
+
+
+def test_document_stream_positions_count_from_the_first_text_token():
+    docs = Documents(stream_of([3, 2]), EOT, bos_id=BOS)
+    assert docs.starts.tolist() == [0, 4] and docs.lengths.tolist() == [4, 3]
+    assert docs.positions(np.arange(7)).tolist() == [-1, 0, 1, 2, -1, 0, 1]
+    plain = Documents(stream_of([3, 2]), EOT)
+    assert plain.positions(np.arange(5)).tolist() == [0, 1, 2, 0, 1]
 
 
 def test_pad_rows_hold_one_document_or_chunk_each():
     # documents of 3, 2 and 11 tokens (EOT included), T = 4: the long one needs ceil(10/4) = 3 chunks
     stream = np.array([1, 1, EOT, 2, EOT] + [3] * 10 + [EOT], dtype=np.uint16)
-    starts, n_real, offsets = pad_rows(stream, EOT, 4)
-    assert starts.tolist() == [0, 3, 5, 9, 13]
-    assert n_real.tolist() == [3, 2, 5, 5, 3]
-    assert offsets.tolist() == [0, 0, 0, 4, 8]
-    b = make_batch(stream, starts, n_real, 4, EOT, doc_offsets=offsets)
+    rows = pad_rows(Documents(stream, EOT), 4)
+    assert rows.start.tolist() == [0, 3, 5, 9, 13]
+    assert rows.length.tolist() == [3, 2, 5, 5, 3]
+    b = PackedBatches(stream, EOT, 4, 8, "pad", shuffle=False).batch(np.arange(5))
     assert b.inputs[0].tolist() == [1, 1, EOT, EOT]  # padding inputs are EOT
     assert b.targets[0].tolist() == [1, EOT, IGNORE_INDEX, IGNORE_INDEX]  # padding targets never count
     assert b.targets[1].tolist() == [EOT] + [IGNORE_INDEX] * 3
@@ -112,21 +160,147 @@ def test_pad_rows_hold_one_document_or_chunk_each():
     assert counted == (3 - 1) + (2 - 1) + (11 - 1)  # every next-token prediction inside each document
 
 
+def test_pad_rows_with_the_marker_start_each_document_with_its_bos():
+    stream = np.array([1, 1, EOT, 2, EOT] + [3] * 6 + [EOT], dtype=np.uint16)
+    b = PackedBatches(stream, EOT, 4, 8, "pad", bos_id=BOS, shuffle=False).batch(np.arange(4))
+    assert b.inputs.tolist() == [[BOS, 1, 1, EOT], [BOS, 2, EOT, EOT], [BOS, 3, 3, 3], [3, 3, 3, EOT]]
+    # a later chunk of a long document starts inside it: no BOS there, and position 0 for the model
+    assert b.doc_positions.tolist() == [[-1, 0, 1, 2], [-1, 0, 1, 0], [-1, 0, 1, 2], [3, 4, 5, 6]]
+    assert b.targets[0].tolist() == [1, 1, EOT, IGNORE_INDEX]  # the first text token counts, from the BOS
+    assert int(b.counted.sum()) == 3 + 2 + 7  # every text token and each EOT, once
+
+
 def test_padding_gets_its_own_documents_so_no_attention_row_is_empty():
-    stream = np.array([1, 2, EOT], dtype=np.uint16)
-    b = make_batch(stream, np.array([0]), np.array([3]), 6, EOT)
+    b = batch_of_rows([np.array([1, 2, EOT])], 6, EOT)
     assert b.doc_ids.tolist() == [[0, 0, 0, 1, 2, 3]]
 
 
-def test_batches_are_deterministic_and_resume_from_their_state():
-    stream = np.random.default_rng(1).integers(0, EOT + 1, size=4000).astype(np.uint16)
-    a = PackedBatches(stream, EOT, 32, 8, seed=3)
-    first = [a.next().inputs for _ in range(30)]  # crosses an epoch boundary (15 batches per epoch)
-    b = PackedBatches(stream, EOT, 32, 8, seed=3)
-    for _ in range(12):
+@pytest.mark.parametrize("length, chunks", [(5, [5]), (6, [6]), (7, [6, 2]), (11, [6, 6]), (12, [6, 6, 2])])
+def test_documents_longer_than_a_row_are_cut_into_chunks_that_share_one_token(length, chunks):
+    # T = 5: a row holds T + 1 = 6 tokens; chunks start every T tokens
+    start, size = document_chunks(Documents(stream_of([length]), EOT), 5)
+    assert size.tolist() == chunks
+    assert start.tolist() == [5 * i for i in range(len(chunks))]
+
+
+def brute_force_best_fit(sizes: list[int], capacity: int) -> list[int]:
+    """Best fit by definition: scan every open row for the one with the least room that fits the item,
+    the first such row on ties, where rows are ranked by the order they were last put in their room class."""
+    rooms, last_touched, rows = [], [], []
+    clock = 0
+    for size in sizes:
+        fitting = [r for r, room in enumerate(rooms) if room >= size]
+        if fitting:
+            least = min(rooms[r] for r in fitting)
+            row = max((r for r in fitting if rooms[r] == least), key=lambda r: last_touched[r])
+        else:
+            row = len(rooms)
+            rooms.append(capacity)
+            last_touched.append(0)
+        rooms[row] -= size
+        clock += 1
+        last_touched[row] = clock
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_best_fit_decreasing_matches_the_brute_force_definition(seed):
+    rng = np.random.default_rng(seed)
+    capacity = int(rng.integers(4, 40))
+    sizes = sorted(rng.integers(2, capacity, int(rng.integers(1, 200))).tolist(), reverse=True)
+    assert best_fit_decreasing(sizes, capacity).tolist() == brute_force_best_fit(sizes, capacity)
+
+
+def test_best_fit_takes_the_row_it_fills_exactly_and_opens_a_row_only_when_none_fits():
+    # capacity 10: 7 opens row 0 (room 3), 6 opens row 1 (room 4), 4 fills row 1 exactly, 3 fills row 0
+    assert best_fit_decreasing([7, 6, 4, 3, 10, 9, 1], 10).tolist() == [0, 1, 1, 0, 2, 3, 3]
+
+
+@pytest.mark.parametrize("bos_id", [None, BOS])
+@pytest.mark.parametrize("seed", range(4))
+def test_bestfit_predicts_every_token_of_every_document_exactly_once(bos_id, seed):
+    rng = np.random.default_rng(seed)
+    T = 16
+    lengths = rng.integers(2, 3 * T, 60).tolist() + [T, T + 1, T + 2, 2 * T + 1]  # and the boundary lengths
+    stream = stream_of(lengths, seed)
+    batches = PackedBatches(stream, EOT, T, 4, "bestfit", bos_id=bos_id, shuffle=False)
+    docs, rows = batches.documents, batches.rows
+    index, n_real = rows.index(np.arange(len(rows)), T + 1)
+    assert (n_real <= T + 1).all() and (n_real >= 2).all()  # no row holds more than T + 1 tokens
+    inputs, targets = index[:, :-1].ravel(), index[:, 1:].ravel()
+    real = inputs >= 0
+    inputs, targets = inputs[real], targets[real]
+    # every prediction inside a document (from the token before, in the same piece) is made exactly once:
+    # every token but each document's first; and no token is an input twice
+    inside = targets[targets == inputs + 1]
+    assert sorted(inside.tolist()) == sorted(set(range(docs.n_tokens)) - set(docs.starts.tolist()))
+    assert len(set(inputs.tolist())) == len(inputs)
+    # a piece follows another only after that one's EOT: its first target is a boundary prediction, which
+    # mask_boundary_loss ignores
+    across = (targets >= 0) & (targets != inputs + 1)
+    assert across.any() and (docs.tokens(inputs[across]) == EOT).all()
+    # the tokens come out as the document stream holds them, the marker included
+    by_hand = np.array(with_markers_by_hand(stream) if bos_id else stream.tolist())
+    b = batches.batch(np.arange(len(rows)))
+    real = index[:, :-1] >= 0
+    assert torch.equal(b.inputs[torch.from_numpy(real)], torch.from_numpy(by_hand[index[:, :-1][real]]))
+    assert int(b.counted.sum()) == sum(n - 1 for n in docs.lengths.tolist())  # with the boundary mask
+
+
+def test_bestfit_rows_hold_whole_documents_and_pad_the_rest():
+    # T = 8 (rows of 9): documents of 9, 5, 4, 3, 3 and 2 tokens fill rows 9 | 5+4 | 3+3+2 with 1 padding slot
+    stream = stream_of([3, 9, 2, 5, 3, 4])
+    rows = PACKINGS["bestfit"](Documents(stream, EOT), 8)
+    held = [sorted(rows.length[rows.first[r] : rows.first[r + 1]].tolist()) for r in range(len(rows))]
+    assert held == [[9], [4, 5], [2, 3, 3]]
+
+
+def test_bestfit_rows_depend_on_the_data_only():
+    stream = stream_of(np.random.default_rng(3).integers(2, 50, 200).tolist())
+    a, b = (PACKINGS["bestfit"](Documents(s, EOT), 32) for s in (stream, stream.copy()))
+    assert np.array_equal(a.start, b.start) and np.array_equal(a.first, b.first)
+
+
+@pytest.mark.parametrize("packing", ["concat", "pad", "bestfit"])
+@pytest.mark.parametrize("bos_id", [None, BOS])
+def test_batches_are_deterministic_and_resume_from_their_state(packing, bos_id):
+    stream = stream_of(np.random.default_rng(1).integers(2, 40, 200).tolist())
+    a = PackedBatches(stream, EOT, 32, 8, packing, bos_id=bos_id, seed=3)
+    per_epoch = len(a) // 8
+    first = [a.next().inputs for _ in range(2 * per_epoch + 3)]  # crosses two epoch boundaries
+    b = PackedBatches(stream, EOT, 32, 8, packing, bos_id=bos_id, seed=3)
+    for _ in range(per_epoch + 1):  # stopped mid-epoch
         b.next()
-    c = PackedBatches(stream, EOT, 32, 8, seed=3)
+    c = PackedBatches(stream, EOT, 32, 8, packing, bos_id=bos_id, seed=3)
     c.load_state_dict(b.state_dict())
-    assert all(torch.equal(first[12 + i], c.next().inputs) for i in range(18))
-    other_seed = PackedBatches(stream, EOT, 32, 8, seed=4).next().inputs
+    assert c.state_dict() == {"epoch": 1, "cursor": 8}  # two integers
+    assert all(torch.equal(first[per_epoch + 1 + i], c.next().inputs) for i in range(per_epoch + 2))
+    other_seed = PackedBatches(stream, EOT, 32, 8, packing, bos_id=bos_id, seed=4).next().inputs
     assert not torch.equal(first[0], other_seed)
+
+
+def test_packing_statistics_on_a_hand_counted_layout():
+    # T = 4 (rows of 5 tokens), documents of 3, 2 and 11 tokens
+    stream = np.array([1, 1, EOT, 2, EOT] + [3] * 10 + [EOT], dtype=np.uint16)
+    docs = Documents(stream, EOT)
+    # concat: rows 0-4 (3 | 2), 4-8 (EOT of doc 1 | 3 of doc 2), 8-12 (inside doc 2)
+    concat = packing_statistics(docs, concat_rows(docs, 4), 4)
+    assert concat["rows"] == 3 and concat["documents"] == 3
+    assert concat["documents_per_row"] == pytest.approx(5 / 3)  # inputs: {0, 1}, {1, 2}, {2}
+    assert concat["padding_share"] == 0
+    # document 1 (tokens 3-4) is whole in row 0, whose last target is its EOT; document 2 crosses row edges
+    assert concat["documents_split_or_cut"] == pytest.approx(1 / 3)
+    # inputs whose document began in the row: 4 of row 0, 0 + 3 of row 1, none of row 2
+    assert concat["tokens_with_their_document_start_in_the_row"] == pytest.approx(7 / 12)
+    assert concat["tokens_seeing_another_document_without_the_mask"] == pytest.approx(4 / 12)  # slot 3 | 5, 6, 7
+    pad = packing_statistics(docs, pad_rows(docs, 4), 4)
+    assert pad["documents_per_row"] == 1 and pad["tokens_seeing_another_document_without_the_mask"] == 0
+    assert pad["padding_share"] == pytest.approx(4 / 20)  # real inputs: 3 + 2 + 4 + 4 + 3 of 5 rows x 4
+    assert pad["documents_split_or_cut"] == pytest.approx(1 / 3)
+    assert pad["tokens_with_their_document_start_in_the_row"] == pytest.approx(9 / 16)  # 3 + 2 + 4 + 0 + 0
+
+
+def test_a_packing_that_is_not_known_is_refused():
+    with pytest.raises(ValueError, match="packing must be one of concat, pad, bestfit"):
+        PackedBatches(stream_of([5] * 40), EOT, 8, 2, "greedy")

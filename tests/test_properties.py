@@ -8,7 +8,7 @@ from conftest import reference_semantics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from data import IGNORE_INDEX, Flags, make_batch, pad_rows
+from data import IGNORE_INDEX, Flags, PackedBatches, batch_of_rows
 from model import GPT, GPTConfig, attention_mask
 
 EOT = 63
@@ -38,7 +38,7 @@ def layouts(draw):
 
 
 def row(stream, start, **flags: bool):
-    return make_batch(stream, np.array([start]), np.array([T + 1]), T, EOT, flags=Flags(**flags))
+    return batch_of_rows([stream[start : start + T + 1]], T, EOT, flags=Flags(**flags))
 
 
 def segments(doc_ids: torch.Tensor) -> list[tuple[int, int]]:
@@ -66,8 +66,8 @@ def test_batch_matches_the_reference_for_every_flag_combination(layout, reset, m
 def test_pad_rows_count_every_prediction_inside_each_document_once(layout):
     stream, _ = layout
     stream = stream[: np.flatnonzero(stream == EOT)[-1] + 1]  # whole documents only
-    starts, n_real, offsets = pad_rows(stream, EOT, T)
-    b = make_batch(stream, starts, n_real, T, EOT, doc_offsets=offsets)
+    batches = PackedBatches(stream, EOT, T, 1, "pad", shuffle=False)
+    b = batches.batch(np.arange(len(batches)))
     lengths = np.diff(np.concatenate([[-1], np.flatnonzero(stream == EOT)]))
     assert int((b.targets != IGNORE_INDEX).sum()) == int((lengths - 1).sum())
 

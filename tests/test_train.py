@@ -61,7 +61,7 @@ def test_each_flag_reaches_its_own_field_of_flags(flag):
         (["--max_iters=ten"], "max_iters='ten': expected int"),
         (["--doc_mask=maybe"], "doc_mask='maybe': expected bool"),
         (["--pos_emb=alibi"], "pos_emb='alibi': choose one of learned, rope"),
-        (["--packing=best"], "packing='best': choose one of concat, pad"),
+        (["--packing=best"], "packing='best': choose one of concat, bestfit, pad"),
         (["--batch_size=0"], "batch_size=0: must be at least 1"),
         (["--n_embd=100", "--n_head=3"], "must split into n_head=3 heads"),
         (["no_such_config.toml"], "config file no_such_config.toml not found"),
@@ -118,7 +118,9 @@ def test_evaluation_keeps_loss_sums_by_document_and_by_position():
     docs = [np.append(rng.integers(0, eot, n), eot) for n in (5, 40, 2)]  # the second spans three chunks
     val = np.concatenate(docs)
     cpu, fp32 = torch.device("cpu"), torch.autocast("cpu", enabled=False)
-    result = train.evaluate(model, model.config, val, eot, Config(seq_len=T, batch_size=2), cpu, fp32)
+    result = train.evaluate(
+        model, model.config, *train.validation_sets(val, eot, Config(seq_len=T, batch_size=2)), cpu, fp32
+    )
     expected_sums = []
     for doc in docs:
         total = 0.0
@@ -133,6 +135,44 @@ def test_evaluation_keeps_loss_sums_by_document_and_by_position():
     assert result["val_doc_count_by_position"] == [3, 3] + [2] * 3 + [1] * (T - 5)
     assert sum(result["val_doc_count_by_position"]) == 2 + 5 + T  # later chunks are not at positions < T
     assert result["val_doc_loss"] == pytest.approx(sum(expected_sums) / 47, rel=1e-5)
+    assert result["val_doc_loss_from_second"] == result["val_doc_loss"] and "val_first_token_loss" not in result
+
+
+def test_with_the_start_marker_evaluation_scores_each_document_from_its_bos():
+    """Each document alone is [BOS, text, EOT]: its first text token is predicted from the BOS and counts;
+    val_doc_loss_from_second leaves those out, so it scores what a run without the marker scores."""
+    import numpy as np
+
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    T, eot, bos = 16, 62, 63
+    model = GPT(GPTConfig(vocab_size=64, seq_len=T, n_layer=1, n_head=2, n_embd=16)).eval()
+    rng = np.random.default_rng(1)
+    docs = [np.append(rng.integers(0, eot, n), eot) for n in (5, 30, 2)]
+    cfg = Config(seq_len=T, batch_size=2)
+    cpu, fp32 = torch.device("cpu"), torch.autocast("cpu", enabled=False)
+    result = train.evaluate(model, model.config, *train.validation_sets(np.concatenate(docs), eot, cfg, bos), cpu, fp32)
+    sums, firsts = [], []
+    for doc in docs:
+        marked = np.insert(doc, 0, bos)
+        losses = []
+        for start in range(0, len(marked) - 1, T):  # chunks of T inputs, each from position 0
+            chunk = torch.from_numpy(marked[start : start + T + 1]).long()[None]
+            with torch.no_grad():
+                losses += model(chunk[:, :-1], torch.arange(chunk.shape[1] - 1)[None], None, chunk[:, 1:])[0].tolist()
+        sums.append(sum(losses))
+        firsts.append(losses[0])
+    assert result["val_doc_count_by_document"] == [6, 31, 3]  # every text token and the EOT
+    assert result["val_doc_loss_sum_by_document"] == pytest.approx(sums, abs=1e-3)
+    assert result["val_doc_first_token_loss_by_document"] == pytest.approx(firsts, abs=1e-3)
+    assert result["val_first_token_loss"] == pytest.approx(np.mean(firsts), rel=1e-4)
+    assert result["val_doc_loss"] == pytest.approx(sum(sums) / 40, rel=1e-5)
+    assert result["val_doc_loss_from_second"] == pytest.approx((sum(sums) - sum(firsts)) / 37, rel=1e-5)
+    # position p predicts the token after the p-th text token, in both conventions: the BOS is not at 0
+    # (texts of 5, 30 and 2 tokens: positions 0-4, 0-29 and 0-1; the table stops at seq_len)
+    counts = result["val_doc_count_by_position"]
+    assert counts[:3] == [3, 3, 2] and counts[5:] == [1] * (T - 5) and sum(counts) == 5 + T + 2
 
 
 # ---- training runs
@@ -163,18 +203,21 @@ def test_short_run_learns_writes_metrics_and_checkpoint(tiny_corpus, tmp_path):
     assert len(evals[-1]["val_doc_count_by_position"]) > 10
     assert all({"step", "train_loss", "lr", "tokens_per_sec"} <= r.keys() for r in records if "train_loss" in r)
     assert json.loads((out / "config.json").read_text())["max_iters"] == 40
+    packing = records[0]["packing_statistics"]  # logged once, before the first step
+    assert records[0]["step"] == 0 and packing["padding_share"] == 0 and packing["documents_per_row"] > 1
     state = torch.load(out / "ckpt.pt", weights_only=False)
     assert state["step"] == 40 and state["config"]["lr"] == 1e-2
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly_where_the_run_stopped(tiny_corpus, tmp_path):
+@pytest.mark.parametrize("packing, bos", [("concat", False), ("bestfit", True)])
+def test_resume_continues_exactly_where_the_run_stopped(tiny_corpus, tmp_path, packing, bos):
     # A constant learning rate (lr = min_lr) makes the schedule independent of max_iters, so stopping at
     # step 4 and resuming to 8 must match 8 straight steps bit for bit; dropout exercises the RNG state.
     def args(out, max_iters):
         return tiny_args(
             tiny_corpus, tmp_path / "data", out, max_iters=max_iters, eval_interval=4, dropout=0.1, lr=2e-3, min_lr=2e-3
-        )
+        ) + [f"--packing={packing}", f"--bos={bos}"]
 
     def without_rates(records):
         return [{k: v for k, v in r.items() if "per_sec" not in k} for r in records]
@@ -183,7 +226,7 @@ def test_resume_continues_exactly_where_the_run_stopped(tiny_corpus, tmp_path):
     train.train(parse_config(args(tmp_path / "resumed", 4)))
     train.train(parse_config(args(tmp_path / "resumed", 8) + ["--resume=true"]))
     straight, resumed = without_rates(metrics(tmp_path / "straight")), without_rates(metrics(tmp_path / "resumed"))
-    assert len(straight) == 10 and resumed == straight
+    assert len(straight) == 11 and resumed == straight  # packing statistics, 8 steps and 2 evaluations
     # the test can fail: without restoring the data position, step 5 trains on other rows
     fresh = tmp_path / "fresh"
     train.train(parse_config(args(fresh, 4)))
@@ -200,9 +243,17 @@ def test_resume_with_a_different_model_setting_is_refused(tiny_corpus, tmp_path)
     train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)))
     with pytest.raises(ConfigError, match=r"n_embd: 32 -> 64"):
         train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, n_embd=64) + ["--resume=true"]))
+    for changed, named in (
+        ("--bos=true", "bos: False -> True"),
+        ("--packing=bestfit", "packing: 'concat' -> 'bestfit'"),
+    ):
+        with pytest.raises(ConfigError, match=named):
+            parse_config([f"--out_dir={out}", "--resume=true", changed])
 
 
 VARIANTS = [
+    "--bos=true",
+    "--packing=bestfit",
     "--doc_mask=false",
     "--reset_position_ids=false",
     "--mask_boundary_loss=false",
