@@ -1,0 +1,181 @@
+"""How each packing holds the documents, side by side, and what planning best-fit rows costs.
+
+    python -m studies.bench_packing                                  # stdlib and packages at 256, 1024, 8192
+    python -m studies.bench_packing --datasets=stdlib --seq_lens=1024 --bos=true
+    python -m studies.bench_packing --plan_documents=2000000         # and best-fit planning at 2M documents
+
+For each dataset (prepared as train.py prepares it, with the default data settings) and seq_len: the training
+split's packing statistics under concat, bestfit and pad, as every run logs them at its start
+(data.packing_statistics). With --plan_documents: a synthetic split of that many documents, their lengths
+drawn from the first dataset's, written as a shard file and memory-mapped like real shards; its rows are
+planned in a child process (finding the documents, then best fit), whose time and memory are reported: its
+peak resident memory, how much of it is the memory-mapped split's pages (which the OS can drop, and which
+every run maps anyway), and its anonymous memory once the rows are planned. Writes --out (JSON and a
+markdown twin) and prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+PACKINGS = ("concat", "bestfit", "pad")
+STATISTICS = {  # column: key of data.packing_statistics
+    "documents a row": "documents_per_row",
+    "padding": "padding_share",
+    "documents split or cut": "documents_split_or_cut",
+    "tokens with their document's start in the row": "tokens_with_their_document_start_in_the_row",
+    "tokens that could see another document": "tokens_seeing_another_document_without_the_mask",
+}
+
+
+def plan_child(path: str, n_tokens: int, seq_len: int, eot_id: int) -> None:
+    """Child process: plan best-fit rows over a memory-mapped split; prints the figures as JSON."""
+    import data
+
+    t0 = time.perf_counter()
+    stream = data.TokenStream([np.memmap(path, dtype=np.uint16, mode="r", shape=(n_tokens,))])
+    documents = data.Documents(stream, eot_id)
+    found = time.perf_counter() - t0
+    rows = data.bestfit_rows(documents, seq_len)
+    seconds = time.perf_counter() - t0
+    padding = 1 - rows.length.sum() / (len(rows) * (seq_len + 1))
+    # from the process's own memory map (getrusage's peak would include its parent's, from before exec);
+    # RssFile: pages of the memory-mapped split, which the OS can drop and every run maps anyway
+    memory = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    gb = {key: int(memory[key].split()[0]) / 2**20 for key in ("VmHWM", "RssAnon", "RssFile")}
+    figures = {
+        "documents": len(documents),
+        "rows": len(rows),
+        "seconds": seconds,
+        "finding_documents_seconds": found,
+        "padding_share": float(padding),
+        "peak_rss_gb": gb["VmHWM"],
+        "mapped_split_gb": gb["RssFile"],
+        "anonymous_gb": gb["RssAnon"],
+    }
+    print(json.dumps(figures))
+
+
+def planning(lengths: np.ndarray, n_documents: int, seq_len: int, work: Path) -> dict:
+    """Best-fit planning of n_documents whose lengths are drawn from `lengths`, in a child process."""
+    from studies.bench_data import measure
+
+    drawn = np.random.default_rng(0).choice(lengths, n_documents)
+    eot = 65535
+    path = work / "synthetic.bin"
+    with open(path, "wb") as f:  # documents of random text tokens, each ending in EOT, written in pieces
+        for chunk in np.array_split(drawn, max(1, n_documents // 100_000)):
+            tokens = np.random.default_rng(len(chunk)).integers(0, eot, int(chunk.sum()), dtype=np.uint16)
+            tokens[np.cumsum(chunk) - 1] = eot
+            tokens.tofile(f)
+    n_tokens = int(drawn.sum())
+    code = f"from studies import bench_packing; bench_packing.plan_child({str(path)!r}, {n_tokens}, {seq_len}, {eot})"
+    result = measure([sys.executable, "-c", code])
+    path.unlink()
+    return {"tokens": n_tokens, "seq_len": seq_len, **json.loads(result["output"]), "wall_seconds": result["seconds"]}
+
+
+def main(argv: list[str]) -> int:
+    from config import ArgumentParser, ConfigError, expanded_path, parse_config
+    from data import DataError
+    from run_folder import SaveFailed, write_atomically
+
+    parser = ArgumentParser(description=__doc__)
+    parser.add_argument("--datasets", default="stdlib,packages", help="comma-separated datasets (train.py's --dataset)")
+    parser.add_argument("--seq_lens", default="256,1024,8192", help="comma-separated row lengths")
+    parser.add_argument("--bos", default="false", choices=("true", "false"), help="with the start marker")
+    parser.add_argument("--data_dir", default="data", type=expanded_path, help="where prepared shards are kept")
+    parser.add_argument("--plan_documents", type=int, default=0, help="also time best-fit planning at this many")
+    parser.add_argument("--out", default="bench_packing.json", type=expanded_path, help="results (JSON; and .md)")
+    args = parser.parse_args(argv)
+    try:
+        seq_lens = [int(s) for s in args.seq_lens.split(",")]
+    except ValueError:
+        parser.error(f"--seq_lens={args.seq_lens}: expected integers separated by commas")
+    if not seq_lens or min(seq_lens) < 2 or args.plan_documents < 0:
+        parser.error("--seq_lens must be at least 2 each, --plan_documents at least 0")
+    out = Path(args.out)
+    try:
+        write_atomically(out, "{}")  # fails now, not after the benchmark, if the file cannot be written
+        return benchmark(args, seq_lens, out, parse_config)
+    except (ConfigError, DataError, SaveFailed) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def benchmark(args, seq_lens: list[int], out: Path, parse_config) -> int:
+    import data
+    from prepare import prepare_for
+    from run_folder import write_atomically
+
+    rows, first_lengths = [], None
+    for dataset in args.datasets.split(","):
+        shard_path = prepare_for(parse_config([f"--dataset={dataset}", f"--data_dir={args.data_dir}"]))
+        shards = data.load_shards(shard_path)
+        bos_id = data.start_marker_id(data.load_tokenizer(shard_path)) if args.bos == "true" else None
+        documents = data.Documents(shards.train, shards.eot_id, bos_id)
+        first_lengths = documents.lengths if first_lengths is None else first_lengths
+        for seq_len in seq_lens:
+            for packing in PACKINGS:
+                t0 = time.perf_counter()
+                planned = data.PACKINGS[packing](documents, seq_len)
+                seconds = time.perf_counter() - t0
+                stats = data.packing_statistics(documents, planned, seq_len)
+                rows.append(
+                    {"dataset": dataset, "seq_len": seq_len, "packing": packing, "plan_seconds": seconds, **stats}
+                )
+                print(f"{dataset} seq_len={seq_len}: {data.describe_packing(packing, stats)}", flush=True)
+    lines = [
+        f"machine: {platform.machine()}, {os.cpu_count()} cores; python {platform.python_version()}; "
+        f"start marker: {args.bos}",
+        "",
+        "| dataset | seq_len | packing | rows | " + " | ".join(STATISTICS) + " |",
+        "|" + " --- |" * (4 + len(STATISTICS)),
+    ]
+    for r in rows:
+        cells = [f"{r[key]:.2f}" if key == "documents_per_row" else f"{r[key]:.1%}" for key in STATISTICS.values()]
+        lines.append(
+            f"| {r['dataset']} | {r['seq_len']:,} | {r['packing']} | {r['rows']:,} | " + " | ".join(cells) + " |"
+        )
+    results: dict = {"bos": args.bos == "true", "packings": rows}
+    if args.plan_documents:
+        with tempfile.TemporaryDirectory(dir=".") as work:
+            for seq_len in seq_lens:
+                plan = planning(first_lengths, args.plan_documents, seq_len, Path(work))
+                results.setdefault("planning", []).append(plan)
+        lines += [
+            "",
+            f"Best-fit planning of {args.plan_documents:,} documents (lengths drawn from "
+            f"{args.datasets.split(',')[0]}'s), memory-mapped, in one process:",
+            "",
+            "| seq_len | tokens | rows | padding | finding the documents s | planning in all s | peak RSS GB "
+            "| of which the mapped split GB | anonymous memory at the end GB |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for p in results["planning"]:
+            lines.append(
+                f"| {p['seq_len']:,} | {p['tokens']:,} | {p['rows']:,} | {p['padding_share']:.3%} "
+                f"| {p['finding_documents_seconds']:.1f} | {p['seconds']:.1f} | {p['peak_rss_gb']:.2f} "
+                f"| {p['mapped_split_gb']:.2f} | {p['anonymous_gb']:.2f} |"
+            )
+    report = "\n".join(lines) + "\n"
+    results["report"] = report
+    write_atomically(out, json.dumps(results, indent=1))
+    write_atomically(out.with_suffix(".md"), report)
+    print(report)
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    from config import run_main
+
+    run_main(main)
