@@ -67,10 +67,10 @@ from config import (
 from model import GPT
 from prepare import prepare_for
 from studies import import_leak, stats
-from studies.scoring import score_rows
+from studies.scoring import score_rows, target_losses
 
 POSITION_KINDS = ("learned", "rope")
-VARIANTS = {  # name: the train.py settings it changes from the reference
+VARIANTS = {  # name: the train.py settings it changes from the study's own settings (the reference)
     "reference": {},
     "no_doc_mask": {"doc_mask": False},
     "no_reset_position_ids": {"reset_position_ids": False},
@@ -78,18 +78,34 @@ VARIANTS = {  # name: the train.py settings it changes from the reference
     "naive": {"doc_mask": False, "reset_position_ids": False, "mask_boundary_loss": False},
     "pad": {"packing": "pad"},  # as many real tokens as a packed run: more steps
     "pad_equal_compute": {"packing": "pad"},  # as many steps and rows as a packed run: fewer real tokens
+    "bestfit": {"packing": "bestfit"},
+    "no_bos": {"bos": False},  # the start convention: no start marker
+    "no_bos_no_mask_boundary_loss": {"bos": False, "mask_boundary_loss": False},
 }
-# Each variant's primary endpoint: where its flag acts. "early" is the early_band of positions.
-PRIMARY_ENDPOINT = {
-    "no_doc_mask": "early",
-    "no_reset_position_ids": "early",
-    "naive": "early",
-    "no_mask_boundary_loss": "val_doc_loss",
-    "pad": "val_doc_loss",
-    "pad_equal_compute": "val_doc_loss",
+# What each variant is compared with, seed by seed (the reference unless named here)
+BASELINES = {"no_bos_no_mask_boundary_loss": "no_bos"}
+# Each variant's primary endpoint unless the study names others: where its flag acts
+PRIMARY_ENDPOINTS = {
+    "no_doc_mask": ["early"],
+    "no_reset_position_ids": ["early"],
+    "naive": ["early"],
+    "no_mask_boundary_loss": ["val_doc_loss"],
+    "pad": ["val_doc_loss"],
+    "pad_equal_compute": ["val_doc_loss"],
 }
-DIFFERENCE_ENDPOINTS = ("early", "middle", "val_doc_loss")  # compared with the reference of the same seed; the
-# others (offset effect, contamination, the import leak) are contrasts within each run
+# compared with the baseline of the same seed; the others (offset effect, contamination, the import leak)
+# are contrasts within each run
+DIFFERENCE_ENDPOINTS = (
+    "early",
+    "middle",
+    "late",
+    "val_doc_loss",
+    "from_second",
+    "doc_weighted",
+    "first_token",
+    "early_own_start",
+)
+WHOLE_DOCUMENT_ENDPOINTS = ("val_doc_loss", "from_second", "doc_weighted")  # their margin: margin_doc_loss
 
 
 @dataclass
@@ -101,7 +117,17 @@ class Study:
     )
     pos_embs: list[str] = setting(list(POSITION_KINDS), "position kinds to run", choices=POSITION_KINDS)
     variants: list[str] = setting(
-        list(VARIANTS), "variants to run (the reference is required)", choices=tuple(VARIANTS)
+        [
+            "reference",
+            "no_doc_mask",
+            "no_reset_position_ids",
+            "no_mask_boundary_loss",
+            "naive",
+            "pad",
+            "pad_equal_compute",
+        ],
+        "variants to run (the reference is required)",
+        choices=tuple(VARIANTS),
     )
     seeds: int = setting(3, "seeds of each cell, unless seeds_by_variant names its variant", minimum=1)
     seeds_by_variant: dict[str, int] = setting({}, "seeds of these variants, e.g. no_mask_boundary_loss=12")
@@ -115,10 +141,18 @@ class Study:
         [0, 16], "[first, last + 1) within-document positions of the primary band", minimum=0
     )
     middle_band: list[int] = setting([16, 64], "[first, last + 1) positions of the secondary band", minimum=0)
+    late_band: list[int] = setting([], "[first, last + 1) positions of the late band ([]: none)", minimum=0)
+    primary: dict[str, list[str]] = setting(
+        {},
+        "primary endpoints of these variants (others: their flag's default, e.g. no_doc_mask = early); "
+        f"endpoints: {', '.join(DIFFERENCE_ENDPOINTS)}",
+    )
     margin_band: float = setting(
         0.02, "negligible: the Holm-widened 90% interval within +-this (nats), bands", minimum=0.0
     )
-    margin_doc_loss: float = setting(0.02, "the same margin for val_doc_loss (nats)", minimum=0.0)
+    margin_doc_loss: float = setting(
+        0.02, "the same margin for whole-document losses (val_doc_loss, from_second, doc_weighted)", minimum=0.0
+    )
     invariance_tolerance: float = setting(
         1e-4, "largest |difference| (nats) that still counts as invariant: float rounding", minimum=0.0
     )
@@ -134,15 +168,32 @@ class Study:
     def validate(self) -> None:
         if not self.out_dir.strip():
             raise ConfigError("out_dir is empty: give the study's folder")
+        if not self.pos_embs:
+            raise ConfigError("pos_embs is empty: name at least one position kind")
         if "reference" not in self.variants:
             raise ConfigError("variants must include reference: every effect is measured against it")
+        if len(set(self.variants)) < 2:
+            raise ConfigError("variants names only the reference: name at least one variant to compare with it")
+        for variant in self.variants:
+            if BASELINES.get(variant, "reference") not in self.variants:
+                raise ConfigError(f"variant {variant} is compared with {BASELINES[variant]}: add it to variants")
+        for variant, names in self.primary.items():
+            if variant not in self.variants or variant == "reference":
+                raise ConfigError(f"primary names {variant!r}, which is not a variant this study runs")
+            unknown = [n for n in names if n not in DIFFERENCE_ENDPOINTS]
+            if unknown or not names:
+                raise ConfigError(
+                    f"primary.{variant}={names}: choose endpoints among {', '.join(DIFFERENCE_ENDPOINTS)}"
+                )
         unknown = set(self.seeds_by_variant) - set(VARIANTS)
         if unknown:
             raise ConfigError(f"seeds_by_variant names no variant {', '.join(sorted(unknown))}")
         if any(n < 1 for n in self.seeds_by_variant.values()):
             raise ConfigError("seeds_by_variant: every count must be at least 1")
-        for name in ("early_band", "middle_band"):
+        for name in ("early_band", "middle_band", "late_band"):
             band = getattr(self, name)
+            if name == "late_band" and not band:
+                continue
             if len(band) != 2 or band[0] >= band[1]:
                 raise ConfigError(f"{name}={band}: expected [first, last + 1] with first < last + 1")
         # in the table's order, each once
@@ -176,6 +227,33 @@ def parse_args(argv: list[str]) -> tuple[Study, list[str]]:
     return study, train_args
 
 
+def check_against(study: Study, base: Config) -> None:
+    """What the study asks is possible with these training settings: every band inside the positions a
+    row has, every variant a change from what it is compared with, the first-token endpoint only where
+    both sides have the start marker. Checked before any data is prepared or any file written."""
+    for name in ("early_band", "middle_band", "late_band"):
+        band = getattr(study, name)
+        if band and band[1] > base.seq_len:
+            raise ConfigError(f"{name}={band} reaches past seq_len={base.seq_len}: no position there is scored")
+    settings = {v: {**dataclasses.asdict(base), **VARIANTS[v]} for v in study.variants}
+    for variant in study.variants:
+        baseline = BASELINES.get(variant, "reference")
+        if variant != baseline and settings[variant] == settings[baseline] and variant != "pad_equal_compute":
+            raise ConfigError(
+                f"variant {variant} changes nothing from {baseline} with these settings "
+                f"({', '.join(f'{k}={v}' for k, v in VARIANTS[variant].items())} already): drop it from variants"
+            )
+    for variant in study.variants:
+        wanted = study.primary.get(variant, PRIMARY_ENDPOINTS.get(variant, []))
+        both = (settings[variant], settings[BASELINES.get(variant, "reference")])
+        if "first_token" in wanted and not all(side["bos"] for side in both):
+            raise ConfigError(f"primary.{variant} = first_token needs the start marker (bos) on both sides")
+
+
+def primary_endpoints(study: Study, variant: str) -> list[str]:
+    return study.primary.get(variant, PRIMARY_ENDPOINTS.get(variant, []))
+
+
 def predicted_invariant(pos: str, variant: str) -> bool:
     """Theory says this cell trains the same model as the reference, to float rounding: with the document
     mask, RoPE's attention scores depend only on i - j, so resetting positions changes nothing."""
@@ -191,7 +269,8 @@ def probes_invariant(pos: str, variant: str) -> bool:
 
 
 def seeds_of_cells(study: Study) -> dict[tuple[str, str], list[int]]:
-    """The seeds each (position kind, variant) runs; the reference runs every seed its kind uses."""
+    """The seeds each (position kind, variant) runs; a baseline (the reference, or another variant that one is
+    compared with) runs every seed of what is compared with it."""
     cells = {}
     for pos in study.pos_embs:
         for variant in study.variants:
@@ -202,6 +281,10 @@ def seeds_of_cells(study: Study) -> dict[tuple[str, str], list[int]]:
             else:
                 n = study.seeds_by_variant.get(variant, study.seeds)
             cells[pos, variant] = n
+        for variant in study.variants:  # a baseline runs every seed that what it is compared with runs
+            baseline = BASELINES.get(variant, "reference")
+            if baseline != "reference":
+                cells[pos, baseline] = max(cells[pos, baseline], cells[pos, variant])
         most = max([n for (p, _), n in cells.items() if p == pos] + [study.seeds_by_variant.get("reference", 1)])
         cells[pos, "reference"] = max(most, study.seeds)
     return {cell: list(range(study.first_seed, study.first_seed + n)) for cell, n in cells.items()}
@@ -217,25 +300,22 @@ def run_order(seeds: dict[tuple[str, str], list[int]]) -> list[tuple[str, str, i
     return order
 
 
-def pad_steps_factor(shards: data.Shards, seq_len: int) -> float:
+def pad_steps_factor(shards: data.Shards, seq_len: int, bos_id: int | None = None) -> float:
     """How many more steps a pad run needs to see as many real tokens as a packed run."""
-    _, n_real, _ = data.pad_rows(shards.train, shards.eot_id, seq_len)
-    return seq_len / float(np.minimum(n_real, seq_len).mean())
+    rows = data.pad_rows(data.Documents(shards.train, shards.eot_id, bos_id), seq_len)
+    return seq_len / float(np.minimum(rows.length, seq_len).mean())
 
 
-def packing_regime(shards: data.Shards, seq_len: int, max_rows: int = 4096) -> dict:
-    """How much packing matters at this seq_len: documents per training row (counting a document cut
-    by the row's start or end) and the fraction of tokens that can see another document without the mask."""
-    rows, n_real, _ = data.concat_rows(len(shards.train), seq_len)
-    chosen = np.linspace(0, len(rows) - 1, min(max_rows, len(rows))).astype(int)
-    batch = data.make_batch(shards.train, rows[chosen], n_real[chosen], seq_len, shards.eot_id)
-    starts, ends = data.document_bounds(shards.train, shards.eot_id)
-    lengths = ends - starts
+def packing_regime(shards: data.Shards, seq_len: int, bos_id: int | None = None) -> dict:
+    """How much packing matters at this seq_len: documents per concat row (counting a document cut by the
+    row's start or end) and the fraction of tokens that can see another document without the mask."""
+    documents = data.Documents(shards.train, shards.eot_id, bos_id)
+    stats = data.packing_statistics(documents, data.concat_rows(documents, seq_len), seq_len, max_rows=4096)
     return {
-        "documents_per_row": float((batch.doc_ids.max(1).values + 1).float().mean()),
-        "tokens_seeing_another_document": float((batch.doc_ids > 0).float().mean()),
-        "median_document_tokens": float(np.median(lengths)),
-        "mean_document_tokens": float(lengths.mean()),
+        "documents_per_row": stats["documents_per_row"],
+        "tokens_seeing_another_document": stats["tokens_seeing_another_document_without_the_mask"],
+        "median_document_tokens": float(np.median(documents.lengths)),
+        "mean_document_tokens": float(documents.lengths.mean()),
     }
 
 
@@ -328,7 +408,34 @@ def run_probes(out_dir: Path, cfg: Config, n_docs: int, offsets: list[int]) -> d
         prefixes = [np.append(filler[i * k : i * k + k - 1], shards.eot_id) for i in range(len(docs))]
         offset_loss[str(k)] = doc_loss_in_rows(model, cfg, shards.eot_id, prefixes, docs, device)
     after_other = doc_loss_in_rows(model, cfg, shards.eot_id, unrelated, docs, device)
-    return {"offset_loss": offset_loss, "after_other": after_other}
+    result = {"offset_loss": offset_loss, "after_other": after_other}
+    if not cfg.bos:
+        result["start_after_eot"] = start_after_eot(model, cfg, shards, device)
+    return result
+
+
+def start_after_eot(model: GPT, cfg: Config, shards: data.Shards, device: torch.device) -> dict:
+    """Every validation document of the evaluation (its first seq_len tokens) after one EOT, under the run's
+    attention and positions: the start a packed run without the marker trains on (with the document mask,
+    the same as alone). By position as the evaluation's `val_doc_*_by_position`, and the first text token,
+    predicted from the EOT and scored here although the boundary loss mask ignores it in training."""
+    val = np.asarray(data.leading_documents(shards.val, shards.eot_id, cfg.eval_tokens))
+    starts, ends = data.document_bounds(val, shards.eot_id)
+    rows = [np.append(shards.eot_id, val[s : min(e, s + cfg.seq_len)]) for s, e in zip(starts, ends)]
+    flags = dataclasses.replace(cfg.flags, mask_boundary_loss=False)  # score the first text token too
+    sums, counts = np.zeros(cfg.seq_len), np.zeros(cfg.seq_len, dtype=np.int64)
+    first = []
+    for losses in target_losses(model, flags, shards.eot_id, rows, device, cfg.dtype):
+        first.append(losses[0])  # target j is text token j: j = 0 from the EOT, j = p + 1 from position p
+        sums[: len(losses) - 1] += losses[1:]
+        counts[: len(losses) - 1] += 1
+    n = int((counts > 0).sum())
+    return {
+        "sum_by_position": [round(x, 4) for x in sums[:n].tolist()],
+        "count_by_position": counts[:n].tolist(),
+        "first_token_sum": float(np.sum(first)),
+        "first_token_count": len(first),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,50 +541,75 @@ class StudyStopped(Exception):
 # Endpoints and verdicts
 
 
-def band_loss(result: dict, band: list[int]) -> float:
-    """Token-weighted loss of the validation documents alone at within-document positions [first, stop)."""
+def band_loss(
+    result: dict, band: list[int], sums: str = "val_doc_loss_sum_by_position", counts: str = "val_doc_count_by_position"
+) -> float | None:
+    """Token-weighted loss of the validation documents alone at within-document positions [first, stop);
+    None where no target there was scored (never a made-up 0)."""
     first, stop = band
-    sums, counts = result["val_doc_loss_sum_by_position"][first:stop], result["val_doc_count_by_position"][first:stop]
-    return sum(sums) / max(1, sum(counts))
+    counted = sum(result[counts][first:stop])
+    return sum(result[sums][first:stop]) / counted if counted else None
 
 
 def endpoints(result: dict, study: Study, offsets: list[int]) -> dict[str, float]:
-    """One run's value of every endpoint."""
+    """One run's value of every endpoint it has (a run without the start marker has no first_token)."""
+    by_document = zip(result.get("val_doc_loss_sum_by_document", []), result.get("val_doc_count_by_document", []))
+    per_document = [total / n for total, n in by_document if n]
     values = {
         "early": band_loss(result, study.early_band),
         "middle": band_loss(result, study.middle_band),
+        "late": band_loss(result, study.late_band) if study.late_band else None,
         "val_doc_loss": result["val_doc_loss"],
+        # runs from before the marker scored only these targets: their val_doc_loss is this
+        "from_second": result.get("val_doc_loss_from_second", result["val_doc_loss"]),
+        "doc_weighted": float(np.mean(per_document)) if per_document else None,
+        "first_token": result.get("val_first_token_loss"),
         "offset_effect": result["offset_loss"][str(max(offsets))] - result["offset_loss"]["1"],
         "contamination": result["after_other"] - result["offset_loss"]["1"],
     }
+    if "start_after_eot" in result:  # its own start, for a run without the marker: after the previous EOT
+        after = result["start_after_eot"]
+        values["early_own_start"] = band_loss(after, study.early_band, "sum_by_position", "count_by_position")
+    elif "val_first_token_loss" in result:  # with the marker: from the BOS, as evaluated
+        values["early_own_start"] = values["early"]
     if "import_leak" in result:
         values["leak_logprob"] = result["import_leak"]["logprob"]["k=1,extra=0"]["delta_logprob"]
         values["leak_rate"] = result["import_leak"]["sampling"]["difference"]
-    return values
+        if "k=1,extra=0 vs neutral" in result["import_leak"]["logprob"]:  # probes from before it was measured lack it
+            values["leak_vs_neutral"] = result["import_leak"]["logprob"]["k=1,extra=0 vs neutral"]["delta_logprob"]
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def margin(study: Study, endpoint: str) -> float:
-    return study.margin_doc_loss if endpoint == "val_doc_loss" else study.margin_band
+    return study.margin_doc_loss if endpoint in WHOLE_DOCUMENT_ENDPOINTS else study.margin_band
 
 
 def summarise(runs: dict, study: Study, offsets: list[int]) -> dict:
-    """Per cell and endpoint: its per-seed values, the effect (paired difference to the reference, or the
-    contrast within each run) with its 90% and 95% intervals, its role and verdict."""
+    """Per cell and endpoint: its per-seed values, the effect (paired difference to its baseline's run of the
+    same seed, or the contrast within each run) with its 90% and 95% intervals, its role and verdict."""
     cells: dict = {}
     for pos in runs:
-        ref = {seed: endpoints(r, study, offsets) for seed, r in runs[pos]["reference"].items()}
+        values = {
+            v: {seed: endpoints(r, study, offsets) for seed, r in by_seed.items()} for v, by_seed in runs[pos].items()
+        }
         for variant, by_seed in runs[pos].items():
             seeds = sorted(by_seed)
-            values = {seed: endpoints(by_seed[seed], study, offsets) for seed in seeds}
-            cell = {"seeds": seeds, "endpoints": {}}
-            for name in values[seeds[0]]:
-                own = [values[s][name] for s in seeds]
+            baseline = BASELINES.get(variant, "reference")
+            cell = {"seeds": seeds, "baseline": baseline, "endpoints": {}}
+            shared = set.intersection(*(set(values[variant][s]) for s in seeds))
+            for name in primary_endpoints(study, variant):
+                if name not in shared or any(name not in values[baseline][s] for s in seeds):
+                    raise ConfigError(
+                        f"{pos}/{variant}: its primary endpoint {name} has no scored targets in every run"
+                    )
+            for name in [n for n in values[variant][seeds[0]] if n in shared]:
+                own = [values[variant][s][name] for s in seeds]
                 entry = {"values": own, "mean_sd": stats.mean_spread(own)}
                 paired = name in DIFFERENCE_ENDPOINTS
-                if paired and variant == "reference":
-                    cell["endpoints"][name] = entry
+                if paired and (variant == "reference" or any(name not in values[baseline][s] for s in seeds)):
+                    cell["endpoints"][name] = entry  # nothing to compare with
                     continue
-                reference = [ref[s][name] for s in seeds] if paired else None
+                reference = [values[baseline][s][name] for s in seeds] if paired else None
                 if (paired and predicted_invariant(pos, variant)) or (not paired and probes_invariant(pos, variant)):
                     verdict, worst, bitwise = stats.invariance(own, reference, study.invariance_tolerance)
                     bound = stats.paired_effect(own, reference).bound()  # how far from 0, if not within tolerance
@@ -486,7 +618,7 @@ def summarise(runs: dict, study: Study, offsets: list[int]) -> dict:
                     )
                 else:
                     effect = stats.paired_effect(own, reference)
-                    primary = PRIMARY_ENDPOINT.get(variant) == name
+                    primary = name in primary_endpoints(study, variant)
                     entry.update(
                         role="primary" if primary else "secondary",
                         estimate=effect.estimate,
@@ -497,6 +629,7 @@ def summarise(runs: dict, study: Study, offsets: list[int]) -> dict:
                         bound=effect.bound(),
                         p_difference=effect.p_difference(),
                         p_equivalence=effect.p_equivalence(margin(study, name)) if primary else None,
+                        p_wilcoxon=stats.signed_rank_p(own, reference) if primary else None,
                     )
                 cell["endpoints"][name] = entry
             for name in ("val_loss", "wall_seconds", "useful_tokens_per_sec"):
@@ -531,10 +664,16 @@ def decide_primary(cells: dict) -> None:
     }
     difference = stats.holm({k: e["p_difference"] for k, e in family.items()})
     equivalence = stats.holm({k: e["p_equivalence"] for k, e in family.items()})
+    signed_rank = stats.holm({k: e["p_wilcoxon"] for k, e in family.items()})
     for key, entry in family.items():
         effect = stats.Effect(entry["estimate"], entry["se"], entry["df"])
         entry["p_difference_holm"], entry["p_equivalence_holm"] = difference[key], equivalence[key]
         entry["verdict"] = stats.primary_verdict(effect, difference[key], equivalence[key])
+        # the robustness check for heavy tails: a difference verdict that the signed-rank test, Holm over the
+        # same family, also reaches
+        entry["p_wilcoxon_holm"] = signed_rank[key]
+        if entry["verdict"] in ("hurts", "helps"):
+            entry["robust"] = bool(signed_rank[key] < stats.ALPHA)
 
 
 def code_commit() -> str:
@@ -577,10 +716,16 @@ def environment() -> dict:
 ENDPOINT_NAMES = {
     "early": "early band",
     "middle": "middle band",
+    "late": "late band",
     "val_doc_loss": "val_doc_loss",
+    "from_second": "val_doc_loss from the second token",
+    "doc_weighted": "document-weighted loss",
+    "first_token": "first token (from the BOS)",
+    "early_own_start": "early band, own start",
     "offset_effect": "offset effect",
     "contamination": "contamination",
     "leak_logprob": "Δ log P(import m)",
+    "leak_vs_neutral": "Δ log P(import m) vs a neutral file",
     "leak_rate": "Δ sampled leak rate",
 }
 
@@ -595,7 +740,8 @@ def describe_effect(entry: dict) -> str:
     low, high = entry["ci95"] if entry["role"] == "primary" else entry["ci90"]
     interval = "" if not math.isfinite(low) else f" [{low:+.3f}, {high:+.3f}]"
     if entry["role"] == "primary":
-        return f"**{entry['verdict']}**: {entry['estimate']:+.3f}{interval}"
+        robust = " (not robust)" if entry.get("robust") is False else ""
+        return f"**{entry['verdict']}**{robust}: {entry['estimate']:+.3f}{interval}"
     return f"{entry['estimate']:+.3f}{interval}, \\|Δ\\| < {entry['bound']:.3f}"
 
 
@@ -631,16 +777,29 @@ def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cf
         "",
         "## Pre-registered endpoints and decision rules",
         "",
-        f"- primary: the loss at within-document positions {study.early_band[0]}-{study.early_band[1] - 1} "
-        "(`early band`) of every validation document alone for `no_doc_mask`, `no_reset_position_ids` and "
-        "`naive`; `val_doc_loss` (every token of every validation document alone) for `no_mask_boundary_loss`, "
-        "`pad` and `pad_equal_compute`. Each effect is the mean over seeds of the difference to the reference "
-        "run of the same seed (paired, each cell with its own variance, n - 1 degrees of freedom).",
+        "- primary: "
+        + "; ".join(
+            f"`{v}`: " + ", ".join(ENDPOINT_NAMES[n] for n in primary_endpoints(study, v))
+            for v in study.variants
+            if primary_endpoints(study, v)
+        )
+        + f". Bands are within-document positions (position p predicts the token after the p-th): early "
+        f"{study.early_band[0]}-{study.early_band[1] - 1}"
+        + (f", late {study.late_band[0]}-{study.late_band[1] - 1}" if study.late_band else "")
+        + ", "
+        "of every validation document alone; `val_doc_loss` is every token of every validation document alone "
+        "(with the start marker, the first one too). Each effect is the mean over seeds of the difference to "
+        "the baseline's run of the same seed (the reference, unless "
+        + (", ".join(f"`{v}` against `{b}`" for v, b in BASELINES.items() if v in study.variants) or "none differs")
+        + "; paired, each cell with its own variance, n - 1 degrees of freedom).",
         f"- verdicts at family-wise α = {stats.ALPHA} (Holm, over the {n_primary} primary tests, once for "
         "difference and once for equivalence): `negligible` when the equivalence test (TOST) rejects "
         f"|effect| ≥ {study.margin_band} nats (bands) or {study.margin_doc_loss} (val_doc_loss); else `hurts` / "
         "`helps` when the difference test rejects 0; else `unresolved`. The interval shown is the "
-        "unadjusted 95% one.",
+        "unadjusted 95% one. Together the two families can err with probability at most "
+        f"{2 * stats.ALPHA:g} (a false difference or a false equivalence, each held to {stats.ALPHA}). Robustness "
+        "for heavy tails: Wilcoxon's signed-rank test of the same differences, Holm over the same family; a "
+        "`hurts` or `helps` it does not reach is marked `(not robust)`.",
         f"- secondary: the middle band (positions {study.middle_band[0]}-{study.middle_band[1] - 1}), the other "
         "of early band and val_doc_loss, the offset effect (the probe documents' loss after "
         f"{max(offsets)} tokens of other documents minus after an EOT alone) and the contamination (after one "
@@ -656,26 +815,24 @@ def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cf
         "The reference's mean is over the cell's own seeds. Holm p: the adjusted p-values of the difference "
         "and the equivalence test.",
         "",
-        "| position kind | variant | endpoint | reference | variant | effect [95% CI]: verdict | Holm p | seeds |",
+        "| position kind | variant | endpoint | baseline | variant | effect [95% CI]: verdict | Holm p | seeds |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for key, cell in summary.items():
         pos, variant = key.split("/")
-        name = PRIMARY_ENDPOINT.get(variant)
-        if name is None:
-            continue
-        entry = cell["endpoints"][name]
-        reference = summary[f"{pos}/reference"]
-        ref = [v for s, v in zip(reference["seeds"], reference["endpoints"][name]["values"]) if s in cell["seeds"]]
-        holm_p = (
-            f"{entry['p_difference_holm']:.2g} / {entry['p_equivalence_holm']:.2g}"
-            if entry["role"] == "primary"
-            else ""
-        )
-        lines.append(
-            f"| {pos} | {variant} | {ENDPOINT_NAMES[name]} | {ms(stats.mean_spread(ref))} | {ms(entry['mean_sd'])} "
-            f"| {describe_effect(entry)} | {holm_p} | {len(cell['seeds'])} |"
-        )
+        for name in primary_endpoints(study, variant):
+            entry = cell["endpoints"][name]
+            baseline = summary[f"{pos}/{cell['baseline']}"]
+            ref = [v for s, v in zip(baseline["seeds"], baseline["endpoints"][name]["values"]) if s in cell["seeds"]]
+            holm_p = (
+                f"{entry['p_difference_holm']:.2g} / {entry['p_equivalence_holm']:.2g}"
+                if entry["role"] == "primary"
+                else ""
+            )
+            lines.append(
+                f"| {pos} | {variant} | {ENDPOINT_NAMES[name]} | {ms(stats.mean_spread(ref))} | {ms(entry['mean_sd'])} "
+                f"| {describe_effect(entry)} | {holm_p} | {len(cell['seeds'])} |"
+            )
     secondary = [name for name in ENDPOINT_NAMES if any(name in c["endpoints"] for c in summary.values())]
     lines += [
         "",
@@ -754,7 +911,7 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
             (f"{variant}: {ENDPOINT_NAMES[name]}", entry)
             for variant in runs[pos]
             for name, entry in summary[f"{pos}/{variant}"]["endpoints"].items()
-            if name == PRIMARY_ENDPOINT.get(variant) and "role" in entry
+            if name in primary_endpoints(study, variant) and "role" in entry
         ]
         for y, (_, entry) in enumerate(rows):
             if entry["role"] == "invariant":
@@ -770,19 +927,19 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
                 )
         ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
         ax.axvline(0, color="black", lw=0.8)
-        ax.set_xlabel("effect vs reference (nats), 95% CI")
+        ax.set_xlabel("effect vs baseline (nats), 95% CI")
     fig.savefig(out / "effects.png", dpi=110, bbox_inches="tight")
 
     # loss_by_position.png: difference to the reference by position within the document
     fig, axes = panels()
     for ax, pos in zip(axes, kinds):
-        ref = runs[pos]["reference"]
         n = min(len(r["val_doc_count_by_position"]) for cell in runs[pos].values() for r in cell.values())
         edges = np.unique(np.r_[0, np.geomspace(1, n, 14).astype(int)])
         centers = [(a + b - 1) / 2 for a, b in zip(edges[:-1], edges[1:])]
         for variant, cell in runs[pos].items():
             if variant == "reference":
                 continue
+            ref = runs[pos][BASELINES.get(variant, "reference")]
             deltas = [
                 [band_loss(cell[s], [a, b]) - band_loss(ref[s], [a, b]) for a, b in zip(edges[:-1], edges[1:])]
                 for s in cell
@@ -792,7 +949,7 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
         ax.axvspan(study.early_band[0], study.early_band[1] - 1, color="gray", alpha=0.15)
         ax.set_xscale("symlog")
         ax.set_xlabel("position within the document (early band shaded)")
-    axes[0].set_ylabel("loss minus the reference's (same seed)")
+    axes[0].set_ylabel("loss minus its baseline's (same seed)")
     axes[0].legend(fontsize=8)
     fig.savefig(out / "loss_by_position.png", dpi=110, bbox_inches="tight")
 
@@ -837,6 +994,7 @@ def main(argv: list[str]) -> int:
     try:
         study, train_args = parse_args(argv)
         base = parse_config(train_args)
+        check_against(study, base)
         offsets = sorted(set(study.probe_offsets) | {1, base.seq_len // 2})
         if max(offsets) >= base.seq_len - 1:
             raise ConfigError(f"probe_offsets must be below seq_len - 1 = {base.seq_len - 1}")
@@ -846,8 +1004,9 @@ def main(argv: list[str]) -> int:
         run_folder.check_writable_folder(out, "out_dir")  # before any work: the study ends by writing its report here
         shard_path = prepare_for(base)
         shards = data.load_shards(shard_path)
-        pad_factor = pad_steps_factor(shards, base.seq_len)
-        regime = packing_regime(shards, base.seq_len)
+        bos_id = shards.vocab_size if base.bos else None
+        pad_factor = pad_steps_factor(shards, base.seq_len, bos_id)
+        regime = packing_regime(shards, base.seq_len, bos_id)
         # the probes run after each training run: a validation split too small for them fails here, first
         probe_inputs(shards, study.probe_docs, base.seq_len, offsets)
         if study.import_leak:

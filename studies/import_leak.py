@@ -10,14 +10,16 @@ mask and position ids):
 
   log-prob  log P(B goes on with "import m" or "from m import"), with k files that import m before B in
             the row, minus the same with B alone from position 0; for k = 1, 2, 4 and for those files cut
-            right after their import of m ("extra 0") or with more of their text after it;
+            right after their import of m ("extra 0") or with more of their text after it; and with one file
+            before B that does not import m (cut after its first import: "neutral"), so that what the
+            importing file adds can be told from what any file before B does;
   sampling  how often the import line sampled for B names a module that the file before it imports and
             B never mentions, with that file before B and with B alone.
 
 With the document mask on (and positions reset) B cannot see A: the log-prob difference is 0 to float
 rounding and the two sampling rates differ only by chance. The probe needs documents that are whole
 Python files (dataset=stdlib-files, or a corpus of files); the results print as a table and are written
-to out_dir/import_leak.json.
+to out_dir/import_leak.json. A run with the start marker has every file begin with its BOS, B too.
 """
 
 from __future__ import annotations
@@ -99,13 +101,15 @@ class LeakPair:
     context: np.ndarray  # B's tokens before its first import
     continuations: list[np.ndarray]  # the tokens of "import m" and "from m import" after the context
     preceding: dict[tuple[int, int], np.ndarray]  # (k, extra) -> the k files' tokens, each ending in EOT
+    neutral: np.ndarray  # one file that does not import m, cut after its first import, ending in EOT
     context_rest: str  # what is left of B's text before its import line after the context's tokens
 
 
 def excerpt(f: PythonFile, module: str, extra: int, enc: tiktoken.Encoding) -> list[int]:
-    """A preceding file: its start up to the end of its import of `module`, `extra` tokens more, its EOT."""
+    """A preceding file: its start (after its BOS, with the marker) up to the end of its import of `module`,
+    `extra` tokens more, its EOT."""
     end = f.imports[module]
-    return enc.encode_ordinary(f.text[:end]) + enc.encode_ordinary(f.text[end:])[:extra] + [enc.eot_token]
+    return data.document_opening(enc, f.text[:end]) + enc.encode_ordinary(f.text[end:])[:extra] + [enc.eot_token]
 
 
 def find_pairs(texts: list[str], enc: tiktoken.Encoding, n_pairs: int, seed: int = 0) -> list[LeakPair]:
@@ -131,6 +135,14 @@ def find_pairs(texts: list[str], enc: tiktoken.Encoding, n_pairs: int, seed: int
             continue
         module = candidates[rng.integers(len(candidates))]
         sources = [i for i in rng.permutation(importers[module]) if i != b][: max(PRECEDING_FILES)]
+        others = [
+            i
+            for i in rng.permutation(len(files))
+            if i != b and files[i] and files[i].imports and not mentions(files[i].text, module)
+        ]
+        if not others:
+            continue
+        neutral = files[others[0]]
         joint = [enc.encode_ordinary(context_text + c) for c in (f"import {module}", f"from {module} import")]
         own = enc.encode_ordinary(context_text)
         # the token boundary both continuations share with B's own start (BPE may merge across the cut)
@@ -152,9 +164,10 @@ def find_pairs(texts: list[str], enc: tiktoken.Encoding, n_pairs: int, seed: int
                 leak_modules={
                     m for m, end in first.imports.items() if end <= first.imports[module] and not mentions(f.text, m)
                 },
-                context=np.array(own[:n], dtype=np.int64),
+                context=np.array(data.document_opening(enc, "") + own[:n], dtype=np.int64),  # after its BOS, if any
                 continuations=[np.array(seq[n:], dtype=np.int64) for seq in joint],
                 preceding=preceding,
+                neutral=np.array(excerpt(neutral, next(iter(neutral.imports)), 0, enc), dtype=np.int64),
                 context_rest=f.text[len(enc.decode(own[:n])) : f.first_import],
             )
         )
@@ -178,14 +191,18 @@ def continuation_logprobs(
 def import_logprob(
     model: GPT, flags: Flags, eot_id: int, pairs: list[LeakPair], device: torch.device, dtype: str = "auto"
 ) -> dict:
-    """For each (k, extra) and alone: per pair, log P("import m" or "from m import") after B's context."""
+    """For each (k, extra), "neutral" and alone (None): per pair, log P("import m" or "from m import") after
+    B's context."""
     T = model.config.seq_len
-    settings = [None] + [(k, e) for k in PRECEDING_FILES for e in EXTRA_TOKENS]
+    settings = [None, "neutral"] + [(k, e) for k in PRECEDING_FILES for e in EXTRA_TOKENS]
     result = {}
     for setting in settings:
         rows, owners = [], []
         for p, pair in enumerate(pairs):
-            before = pair.preceding[setting] if setting else np.zeros(0, dtype=np.int64)
+            if setting is None:
+                before = np.zeros(0, dtype=np.int64)
+            else:
+                before = pair.neutral if setting == "neutral" else pair.preceding[setting]
             start = np.concatenate([before, pair.context])
             if len(start) + max(len(c) for c in pair.continuations) > T + 1:
                 continue  # does not fit in a row
@@ -265,22 +282,30 @@ def probe(
     over pairs, in the compute precision `dtype` (train.autocast)."""
     pairs = fitting_pairs(pairs, model.config.seq_len)
     logp = import_logprob(model, flags, enc.eot_token, pairs, device, dtype)
-    alone = logp[None]
-    by_setting = {}
-    for (k, extra), values in ((s, v) for s, v in logp.items() if s is not None):
-        deltas = [values[p] - alone[p] for p in values if p in alone]
+    alone, neutral = logp[None], logp["neutral"]
+
+    def change(values: dict, baseline: dict, **described) -> dict:
+        deltas = [values[p] - baseline[p] for p in values if p in baseline]
         low, high = paired_effect(deltas).interval(0.95) if deltas else (None, None)
-        by_setting[f"k={k},extra={extra}"] = {
-            "files": k,
-            "extra_tokens": extra,
+        return {
+            **described,
             "pairs": len(deltas),
             "delta_logprob": float(np.mean(deltas)) if deltas else None,
             "ci95": [low, high] if deltas and np.isfinite(low) else None,
         }
+
+    by_setting = {
+        f"k={k},extra={extra}": change(logp[k, extra], alone, files=k, extra_tokens=extra)
+        for k in PRECEDING_FILES
+        for extra in EXTRA_TOKENS
+    }
+    by_setting["neutral"] = change(neutral, alone, files="1 not importing m", extra_tokens=0)
+    # the importing file against a file that does not import m: what the import itself adds
+    by_setting["k=1,extra=0 vs neutral"] = change(logp[1, 0], neutral, files="1 vs 1 not importing m", extra_tokens=0)
     generator = torch.Generator()
     repeated = [p for p in pairs for _ in range(samples)]
     conditions = {}
-    for name, before in (("after", lambda p: p.preceding[(1, 0)]), ("alone", lambda p: np.zeros(0, np.int64))):
+    for name, before in (("after", lambda p: p.preceding[1, 0]), ("alone", lambda p: np.zeros(0, np.int64))):
         starts = [np.concatenate([before(p), p.context]) for p in repeated]
         generator.manual_seed(0)  # the same random numbers for both: with the mask on, the same samples
         rests = [p.context_rest for p in repeated]

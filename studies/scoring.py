@@ -1,5 +1,5 @@
 """Scoring rows laid out by hand under a run's settings: the one row scorer of the probes (ablate.py's
-offset and contamination probes, import_leak.py's log-probabilities)."""
+offset, contamination and start probes, import_leak.py's log-probabilities)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,35 @@ import torch
 
 import data
 import train
-from data import IGNORE_INDEX, Flags
+from data import Flags
 from model import GPT
 
 
 @torch.no_grad()
+def target_losses(
+    model: GPT,
+    flags: Flags,
+    eot_id: int,
+    rows: list[np.ndarray],
+    device: torch.device,
+    dtype: str = "auto",
+    batch_rows: int = 32,
+) -> list[np.ndarray]:
+    """For each row (its inputs and last target, laid out by data.batch_of_rows under `flags`), the loss of
+    each of its len(row) - 1 targets, NaN where a target does not count, in the run's compute precision
+    `dtype`. A batch's rows are as long as its longest: attention is causal, so what comes after a target
+    changes nothing."""
+    out = []
+    for i in range(0, len(rows), batch_rows):
+        chunk = rows[i : i + batch_rows]
+        batch = data.batch_of_rows(chunk, max(len(row) for row in chunk) - 1, eot_id, flags=flags)
+        with train.autocast(device, dtype):
+            losses, counted = train.token_losses(model, batch.to(device), model.config)
+        losses = torch.where(counted, losses.double(), torch.nan).cpu().numpy()
+        out += [losses[r, : len(row) - 1] for r, row in enumerate(chunk)]
+    return out
+
+
 def score_rows(
     model: GPT,
     flags: Flags,
@@ -21,22 +45,10 @@ def score_rows(
     scored: list[tuple[int, int]],
     device: torch.device,
     dtype: str = "auto",
-    batch_rows: int = 32,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """For each row (its inputs and last target, laid out by data.batch_of_rows under `flags`) and its
-    scored targets [first, stop): the loss summed over those targets and how many of them count, in the
-    run's compute precision `dtype`. A batch's rows are as long as its longest: attention is causal, so what
-    comes after a target changes nothing."""
-    sums, counts = [], []
-    for i in range(0, len(rows), batch_rows):
-        chunk = rows[i : i + batch_rows]
-        batch = data.batch_of_rows(chunk, max(len(row) for row in chunk) - 1, eot_id, flags=flags)
-        keep = torch.zeros_like(batch.targets, dtype=torch.bool)
-        for r, (first, stop) in enumerate(scored[i : i + batch_rows]):
-            keep[r, first:stop] = True
-        batch.targets = batch.targets.masked_fill(~keep, IGNORE_INDEX)
-        with train.autocast(device, dtype):
-            losses, counted = train.token_losses(model, batch.to(device), model.config)
-        sums.append(losses.sum(1).double().cpu().numpy())
-        counts.append(counted.sum(1).cpu().numpy())
-    return np.concatenate(sums), np.concatenate(counts)
+    """For each row and its scored targets [first, stop): the loss summed over those targets that count,
+    and how many of them count."""
+    losses = [
+        row[first:stop] for row, (first, stop) in zip(target_losses(model, flags, eot_id, rows, device, dtype), scored)
+    ]
+    return np.array([np.nansum(row) for row in losses]), np.array([np.count_nonzero(~np.isnan(row)) for row in losses])

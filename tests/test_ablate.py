@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from config import ConfigError
+from config import Config, ConfigError
 from studies import ablate, stats
 
 
@@ -110,6 +110,8 @@ def fake_result(early: float, middle: float, doc_loss: float, offset_effect: flo
         "val_loss": doc_loss,
         "val_doc_loss_sum_by_position": [10 * x for x in by_position],
         "val_doc_count_by_position": [10] * 64,
+        "val_doc_loss_sum_by_document": [sum(by_position)] * 10,  # every document scored at positions 0-63
+        "val_doc_count_by_document": [64] * 10,
         "offset_loss": {"1": 5.0, "32": 5.0 + offset_effect / 2, "64": 5.0 + offset_effect},
         "after_other": 5.0 + contamination,
         "wall_seconds": 1.0,
@@ -169,6 +171,75 @@ def test_verdicts_on_known_results():
     assert noisy["verdict"] == "unresolved"
 
 
+def test_a_variant_is_compared_with_its_own_baseline_seed_by_seed():
+    """The boundary mask without the start marker is compared with the run without the marker (no_bos), not
+    with the reference: an effect planted against no_bos is found whatever the reference does."""
+    study = ablate.Study(
+        pos_embs=["rope"],
+        variants=["reference", "no_bos", "no_bos_no_mask_boundary_loss"],
+        seeds=4,
+        primary={"no_bos": ["early"], "no_bos_no_mask_boundary_loss": ["val_doc_loss"]},
+    )
+    assert ablate.seeds_of_cells(study)[("rope", "no_bos")] == [0, 1, 2, 3]
+    rng = np.random.default_rng(1)
+    runs = {"rope": {"reference": {}, "no_bos": {}, "no_bos_no_mask_boundary_loss": {}}}
+    for seed in range(4):
+        base = 5.0 + 0.1 * rng.normal()
+        runs["rope"]["reference"][seed] = fake_result(base, base, base - 1.0)  # far from both: must not matter
+        runs["rope"]["no_bos"][seed] = fake_result(base + 0.2, base, base)
+        runs["rope"]["no_bos_no_mask_boundary_loss"][seed] = fake_result(base + 0.2, base, base - 0.05 + 1e-3 * seed)
+    summary = ablate.summarise(runs, study, [1, 32, 64])
+    boundary = summary["rope/no_bos_no_mask_boundary_loss"]
+    assert boundary["baseline"] == "no_bos"
+    assert boundary["endpoints"]["val_doc_loss"]["estimate"] == pytest.approx(-0.05 + 1.5e-3)
+    assert summary["rope/no_bos"]["endpoints"]["early"]["estimate"] == pytest.approx(0.2)
+    assert summary["rope/no_bos"]["endpoints"]["doc_weighted"]["estimate"] == pytest.approx(0.2 * 16 / 64)
+    assert {e.get("p_wilcoxon") for e in boundary["endpoints"].values() if e.get("role") == "primary"} == {2 / 16}
+
+
+@pytest.mark.parametrize(
+    "table, settings, message",
+    [
+        ({"late_band": [256, 2048]}, {}, "late_band=[256, 2048] reaches past seq_len=1024"),
+        ({"early_band": [0, 2000]}, {}, "early_band=[0, 2000] reaches past seq_len=1024"),
+        ({"variants": ["reference", "no_bos"]}, {"bos": False}, "variant no_bos changes nothing from reference"),
+        ({"variants": ["reference", "bestfit"]}, {"packing": "bestfit"}, "variant bestfit changes nothing"),
+        (
+            {"variants": ["reference", "no_mask_boundary_loss"], "primary": {"no_mask_boundary_loss": ["first_token"]}},
+            {"bos": False},
+            "first_token needs the start marker",
+        ),
+    ],
+)
+def test_a_study_the_settings_make_impossible_is_refused(table, settings, message):
+    study = ablate.Study(**table)
+    study.validate()
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ablate.check_against(study, Config(seq_len=1024, **settings))
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ({"variants": ["reference"]}, "variants names only the reference"),
+        ({"pos_embs": []}, "pos_embs is empty"),
+        ({"variants": ["reference", "no_bos_no_mask_boundary_loss"]}, "compared with no_bos: add it to variants"),
+        ({"primary": {"pad": ["early"]}, "variants": ["reference", "no_doc_mask"]}, "primary names 'pad'"),
+        ({"primary": {"no_doc_mask": ["earliest"]}}, "choose endpoints among"),
+        ({"late_band": [300, 300]}, "late_band=[300, 300]: expected"),
+    ],
+)
+def test_study_tables_that_ask_for_nothing_are_refused(table, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ablate.Study(**table).validate()
+
+
+def test_an_endpoint_without_scored_targets_is_not_a_number_but_absent():
+    result = fake_result(5.0, 5.0, 5.0)
+    values = ablate.endpoints(result, ablate.Study(late_band=[100, 200]), [1, 32, 64])
+    assert "late" not in values and "first_token" not in values and values["early"] == 5.0
+
+
 def assert_holm_decided(summary: dict, expected_family: int) -> None:
     """Every primary cell's adjusted p-values are Holm's over the whole primary family, and its verdict
     is what they say."""
@@ -213,7 +284,7 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
     study = tmp_path / "study"
     report = json.loads((study / "results.json").read_text())
     summary, runs = report["summary"], report["runs"]
-    assert sorted(summary) == sorted(f"{p}/{v}" for p in ablate.POSITION_KINDS for v in ablate.VARIANTS)
+    assert sorted(summary) == sorted(f"{p}/{v}" for p in ablate.POSITION_KINDS for v in ablate.Study().variants)
     assert summary["learned/reference"]["seeds"] == [0, 1, 2] and summary["learned/naive"]["seeds"] == [0, 1]
     assert summary["rope/no_reset_position_ids"]["seeds"] == [0, 1]
     assert_holm_decided(summary, expected_family=11)  # rope/no_reset_position_ids is checked, not tested
@@ -222,6 +293,13 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
     for pos in ablate.POSITION_KINDS:
         contamination = summary[f"{pos}/reference"]["endpoints"]["contamination"]
         assert contamination["verdict"] == "invariant" and contamination["max_abs_difference"] < 1e-4
+    # a run's own start after one EOT is, with the mask, the same as the document alone (its first target aside)
+    for pos in ablate.POSITION_KINDS:
+        run = runs[pos]["reference"]["0"]
+        after, n = run["start_after_eot"], len(run["start_after_eot"]["count_by_position"]) - 1
+        assert after["count_by_position"][:n] == run["val_doc_count_by_position"][:n] and n > 30
+        assert after["sum_by_position"][:n] == pytest.approx(run["val_doc_loss_sum_by_position"][:n], abs=2e-3)
+        assert after["first_token_count"] == len(run["val_doc_count_by_document"])
     # ...while naive packing lets it in
     naive = runs["learned"]["naive"]["0"]
     assert abs(naive["offset_loss"]["32"] - naive["offset_loss"]["1"]) > 1e-4

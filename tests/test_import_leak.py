@@ -13,7 +13,7 @@ from conftest import tiny_args
 import prepare
 import train
 from config import parse_config
-from data import Flags, PackedBatches
+from data import Flags, PackedBatches, start_marker_id, with_start_marker
 from model import GPT, GPTConfig
 from studies import ablate, import_leak
 from studies.import_leak import find_pairs, parse_file, probe
@@ -92,6 +92,21 @@ def test_with_the_document_mask_the_probe_sees_no_leak_at_all(enc):
     assert max(abs(e["delta_logprob"]) for e in result["logprob"].values() if e["pairs"]) > 1e-3
 
 
+def test_with_the_start_marker_every_file_begins_with_its_bos_and_the_mask_still_hides_them(enc):
+    marked = with_start_marker(enc, start_marker_id(enc))
+    bos = start_marker_id(enc)
+    pairs = find_pairs(python_files(3), marked, n_pairs=12)
+    for pair in pairs:
+        assert pair.context[0] == bos and (pair.context[1:] != bos).all()  # B begins with its BOS
+        for excerpt in [pair.neutral, *pair.preceding.values()]:
+            assert (excerpt == bos).sum() == (excerpt == enc.eot_token).sum()  # each file: BOS ... EOT
+            assert excerpt[0] == bos and excerpt[-1] == enc.eot_token
+    model = tiny_gpt(marked.n_vocab).eval()
+    result = probe(model, Flags(), marked, pairs, samples=2, device=torch.device("cpu"))
+    assert result["logprob"]["neutral"]["pairs"] and result["logprob"]["k=1,extra=0 vs neutral"]["pairs"]
+    assert max(abs(e["delta_logprob"]) for e in result["logprob"].values() if e["pairs"]) < 1e-5
+
+
 def runs_of_files(n_files: int, seed: int) -> list[str]:
     """Files in runs of four that import the same module: after the first of a run, only a model that sees
     the file before can know what the next one imports."""
@@ -116,6 +131,7 @@ def test_a_model_trained_to_copy_the_previous_imports_leaks_without_the_mask(enc
     result = probe(model.eval(), flags, enc, pairs, samples=4, device=torch.device("cpu"))
     low, _ = result["logprob"]["k=1,extra=0"]["ci95"]
     assert low > 0.2  # "import m" more likely once a file importing m comes first
+    assert result["logprob"]["k=1,extra=0 vs neutral"]["ci95"][0] > 0.2  # than after a file that does not import m
     sampling = result["sampling"]
     assert sampling["ci95"][0] > 0 and sampling["leak_rate_after"] > sampling["leak_rate_alone"]
 

@@ -98,3 +98,11 @@ def test_the_tests_keep_their_error_rates():
     assert at_margin.get("negligible", 0) < 0.065
     large = simulated_verdicts(0.1, margin=0.02, n_seeds=5, sd=0.02)
     assert large.get("hurts", 0) > 0.99
+
+
+def test_signed_rank_p_is_the_exact_two_sided_tail():
+    # five positive differences: only the all-positive and all-negative sign patterns are as extreme, 2 of 32
+    assert stats.signed_rank_p([1, 2, 3, 4, 5], [0] * 5) == pytest.approx(2 / 32)
+    # ranks 1..5 with rank 2 negative: W- = 2; sign patterns with W- <= 2 are {}, {1}, {2}: twice 3 of 32
+    assert stats.signed_rank_p([1, -2, 3, 4, 5], [0] * 5) == pytest.approx(6 / 32)
+    assert stats.signed_rank_p([0.1, 0.2], [0.1, 0.2]) == 1.0  # no difference at all
