@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import textwrap
 import tomllib
@@ -207,16 +208,37 @@ def expanded_path(value: str) -> str:
     return os.path.expanduser(value)
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where Ctrl-C raises KeyboardInterrupt, so that every way of stopping a
+    script runs the same clean-up (temporary folders removed, nothing half-written kept)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def interrupted_exit_code(error: KeyboardInterrupt) -> int:
+    """128 + the signal's number, as for a process the signal stopped: 130 for Ctrl-C, 143 for SIGTERM."""
+    return 128 + getattr(error, "signum", signal.SIGINT)
+
+
+def _raise_interrupted(signum, frame) -> None:
+    raise Interrupted(signum)
+
+
 def run_main(main) -> None:
-    """Every script's entry point: exits with main's code. Ctrl-C that reaches here (a second one during
-    training, or any during the other scripts) is one line and exit 130: what the scripts write is
-    atomic, so nothing half-written is left. Output into a pipe that closes early (| head) ends quietly."""
+    """Every script's entry point: exits with main's code. Ctrl-C, SIGTERM or SIGHUP that reaches here (a
+    second one during training, or any during the other scripts) is one line and exit 128 + its number: what
+    the scripts write is atomic, so nothing half-written is left. Output into a pipe that closes early
+    (| head) ends quietly."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _raise_interrupted)
     try:
         code = main(sys.argv[1:])
         sys.stdout.flush()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("\ninterrupted: stopped at once; nothing half-written was kept", file=sys.stderr)
-        code = 130
+        code = interrupted_exit_code(e)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail too
         code = 141  # 128 + SIGPIPE, as for a program that the closed pipe stopped
@@ -322,15 +344,23 @@ def parse_config(argv: list[str]) -> Config:
 def saved_settings(given: Config, values: dict) -> dict:
     """The settings a run was started with, from its out_dir/config.json ({} when there is none), after
     checking that `values` change only what may change when resuming."""
-    path = Path(given.out_dir) / "config.json"
+    out_dir = Path(given.out_dir)
+    check_run_files(out_dir)
+    path = out_dir / "config.json"
     try:
         saved = json.loads(path.read_text())
+        if not isinstance(saved, dict):
+            raise ValueError("not a table of settings")
     except FileNotFoundError:
         return {}  # no run there: run_folder says so
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{path} cannot be read ({e}): give the run's settings again, or delete it") from None
-    if not isinstance(saved, dict):
-        raise ConfigError(f"{path} is not a run's settings: give them again, or delete it")
+        if not (out_dir / "ckpt.pt").is_file():
+            raise ConfigError(f"{path} cannot be read ({e}) and there is no checkpoint to resume from") from None
+        try:  # the checkpoint holds the settings too (its content is verified when the run loads it)
+            saved = torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=False)["config"]
+        except Exception as error:  # a damaged checkpoint fails in many ways inside torch and pickle
+            raise ConfigError(f"{path} cannot be read ({e}), nor can the settings in ckpt.pt ({error})") from None
+        print(f"warning: {path} cannot be read ({e}); resuming with the settings in ckpt.pt", file=sys.stderr)
     fields = {f.name for f in dataclasses.fields(Config)}
     # the folder is where the run is now (it may have moved), and resuming is not overwriting
     saved = {k: v for k, v in saved.items() if k in fields and k not in ("resume", "overwrite", "out_dir")}
@@ -342,6 +372,18 @@ def saved_settings(given: Config, values: dict) -> dict:
             f"{', '.join(sorted(RESUMABLE_CHANGES - {'resume', 'overwrite'}))} may change"
         )
     return saved
+
+
+RUN_FILES = {"ckpt.pt": "checkpoint", "config.json": "settings file", "metrics.jsonl": "metrics log"}
+
+
+def check_run_files(out_dir: Path) -> None:
+    """Each of a run's files, where it exists, is a regular file: one line, the same in every mode, for a
+    folder (or anything else) where one belongs."""
+    for name, what in RUN_FILES.items():
+        path = out_dir / name
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"{path} is not a file, where the run's {what} belongs: move it away")
 
 
 def read_config_file(path: Path) -> dict:

@@ -360,18 +360,18 @@ def _separated_documents(path: Path, on_bytes: Callable[[int], None]) -> Iterato
     yield pending
 
 
-def _file_document(path: Path, skipped: Counter, on_bytes: Callable[[int], None]) -> Iterator[str]:
-    """A file in a corpus folder: one document, or nothing (counted) if it is not readable UTF-8 text."""
+def _file_document(path: Path, skip: Callable[[str, Path], None], on_bytes: Callable[[int], None]) -> Iterator[str]:
+    """A file in a corpus folder: one document, or nothing (skipped, by name) if it is not readable UTF-8 text."""
     try:
         content = path.read_bytes()
     except OSError:
-        skipped["unreadable"] += 1
+        skip("unreadable", path)
         return
     on_bytes(len(content))
     try:
         yield content.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError:
-        skipped["not_utf8"] += 1
+        skip("not_utf8", path)
 
 
 def read_documents(
@@ -379,11 +379,20 @@ def read_documents(
     text_field: str = "text",
     skipped: Counter | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    skipped_files: dict[str, list[str]] | None = None,
 ) -> Iterator[str]:
-    """Every non-empty document of a source, in file order. `skipped` counts what was left out and why;
-    `on_bytes(n)` is told of the bytes read, for progress."""
+    """Every non-empty document of a source, in file order. `skipped` counts what was left out and why, and
+    `skipped_files` names the files among it: in a folder or glob, a file that is unreadable, not UTF-8
+    text, or holds no document at all (an empty .jsonl.gz, say) is skipped whole; a file damaged after some
+    of its documents were read is refused (DataError), never read in part. `on_bytes(n)` is told of the
+    bytes read, for progress."""
     skipped = Counter() if skipped is None else skipped
     on_bytes = on_bytes or (lambda n: None)
+
+    def skip(reason: str, path: Path) -> None:
+        skipped[reason] += 1
+        if skipped_files is not None:
+            skipped_files.setdefault(reason, []).append(str(path.relative_to(source.root)))
 
     def documents() -> Iterator[str]:
         if source.builtin == "packages":  # too large to cache like the standard library: read file by file
@@ -392,7 +401,7 @@ def read_documents(
             return
         if source.builtin == "packages-files":
             for path in source.files:
-                yield from _file_document(path, skipped, on_bytes)
+                yield from _file_document(path, skip, on_bytes)
             return
         if source.builtin:
             yield from stdlib_documents(source.builtin == "stdlib", skipped)
@@ -401,17 +410,23 @@ def read_documents(
         for path in source.files:
             kind = file_kind(path)
             if kind == "text" and not source.single_file:
-                yield from _file_document(path, skipped, on_bytes)  # skipped and counted if unreadable
+                yield from _file_document(path, skip, on_bytes)  # skipped and counted if unreadable
                 continue
+            found = 0
             try:
                 if kind == "parquet":
-                    yield from _parquet_documents(path, text_field, skipped, on_bytes)
+                    reader = _parquet_documents(path, text_field, skipped, on_bytes)
                 elif kind == "jsonl":
-                    yield from _jsonl_documents(path, text_field, on_bytes)
+                    reader = _jsonl_documents(path, text_field, on_bytes)
                 else:
-                    yield from _separated_documents(path, on_bytes)
+                    reader = _separated_documents(path, on_bytes)
+                for document in reader:
+                    found += 1
+                    yield document
             except OSError as e:
                 raise DataError(f"{path} cannot be read ({e.strerror or e})") from None
+            if not found and not source.single_file:
+                skip("empty_file", path)
 
     for doc in documents():
         if doc.strip():

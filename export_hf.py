@@ -213,9 +213,8 @@ MAPPINGS = {"learned": gpt2_weights, "rope": neox_weights}
 
 def model_card(state: dict, out_dir: Path, config: dict) -> str:
     cfg = Config(**state["config"])
-    evals = [record for _, record in run_folder.read_metrics(out_dir / "metrics.jsonl")]
-    final = next((r for r in reversed(evals) if "val_doc_loss" in r), None)
-    loss = f"{final['val_doc_loss']:.4f} at step {final['step']}" if final else "not recorded"
+    final = state.get("evaluation")  # from the checkpoint itself: the same snapshot as the weights
+    loss = f"{final['val_doc_loss']:.4f} at step {final['step']}" if final else "not recorded in the checkpoint"
     return "\n".join(
         [
             f"# {out_dir.name}: a {config['model_type']} model trained with packed-gpt",
@@ -305,7 +304,7 @@ def check(folder: Path, model: GPT, enc: tiktoken.Encoding, state: dict, lengths
     generator = torch.Generator().manual_seed(0)
     worst = 0.0
     for length in lengths:
-        T = length or model.config.seq_len
+        T = min(length or model.config.seq_len, model.config.seq_len)  # any seq_len train.py accepts, even 2
         ids = torch.randint(0, enc.n_vocab, (2, T), generator=generator)
         with torch.no_grad():
             ours = model(ids, torch.arange(T).expand(2, T), None)

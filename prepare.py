@@ -34,9 +34,17 @@ from pathlib import Path
 import numpy as np
 import tiktoken
 
-from config import Config
+from config import Config, ConfigError
 from corpora import Source, describe_changes, file_kind, fingerprint, label, read_documents, resolve_dataset
-from data import EOT_TEXT, SHARD_FORMAT_VERSION, DataError, is_prepared_folder, read_tiktoken, tiktoken_encoding
+from data import (
+    EOT_TEXT,
+    SHARD_FORMAT_VERSION,
+    DataError,
+    is_prepared_folder,
+    load_shards,
+    read_tiktoken,
+    tiktoken_encoding,
+)
 from run_folder import check_writable_folder, exclusive_lock, format_duration
 
 SHARD_TOKENS = 100_000_000  # tokens per shard file at most (200 MB of uint16)
@@ -298,8 +306,11 @@ def _prepare_into(out: Path, dataset: str, source: Source, settings: PrepareSett
     write_tiktoken_file(enc, out / "tokenizer.tiktoken")
     dtype = np.dtype(np.uint16 if enc.n_vocab <= 2**16 else np.uint32)
     skipped: Counter = Counter()
+    skipped_files: dict[str, list[str]] = {}  # by reason: the files skipped whole, by name
     seconds["tokenizer"] = time.time() - seconds["start"]
-    n_buckets = _encode_into_buckets(out / "buckets", source, settings, enc, dtype, total_bytes, skipped, log)
+    n_buckets = _encode_into_buckets(
+        out / "buckets", source, settings, enc, dtype, total_bytes, (skipped, skipped_files), log
+    )
     seconds["encoding"] = time.time() - seconds["start"] - seconds["tokenizer"]
     splits = _write_shards(out, n_buckets, dtype, skipped, log)
     shutil.rmtree(out / "buckets")
@@ -332,6 +343,7 @@ def _prepare_into(out: Path, dataset: str, source: Source, settings: PrepareSett
         "seed": settings.seed,
         "dtype": dtype.name,
         "skipped": {why: n for why, n in sorted(skipped.items()) if n},
+        "skipped_files": skipped_files,
         "splits": splits,
         "bytes_read": total_bytes,
         "seconds": {phase: round(s, 2) for phase, s in seconds.items()},
@@ -388,10 +400,18 @@ INDEX_DTYPE = np.dtype([("key", "<u8"), ("length", "<u8")])
 
 
 def _encode_into_buckets(
-    folder: Path, source: Source, settings: PrepareSettings, enc, dtype, total_bytes: int, skipped: Counter, log
+    folder: Path,
+    source: Source,
+    settings: PrepareSettings,
+    enc,
+    dtype,
+    total_bytes: int,
+    skipped: tuple[Counter, dict[str, list[str]]],
+    log,
 ) -> int:
     """Encode every document on all cores into buckets chosen by its order key: files
-    <split>_<bucket>.tokens and .index (key, length per document). Returns the number of buckets."""
+    <split>_<bucket>.tokens and .index (key, length per document). `skipped`: what was left out, counted
+    by reason, and the files skipped whole, by name. Returns the number of buckets."""
     compressed = sum(1 for p in source.files if file_kind(p) == "parquet" or p.name.endswith((".gz", ".zst")))
     estimate = total_bytes * (4 if compressed else 1)  # compressed corpora hold more text than their size
     n_buckets = min(4096, max(1, math.ceil(estimate / BUCKET_TEXT_BYTES)))
@@ -432,7 +452,8 @@ def _encode_into_buckets(
     batch_chars = 0
     with ThreadPoolExecutor(threads) as pool:
         try:
-            for text in read_documents(source, settings.text_field, skipped, lambda n: progress.update(n_bytes=n)):
+            on_bytes = lambda n: progress.update(n_bytes=n)  # noqa: E731
+            for text in read_documents(source, settings.text_field, skipped[0], on_bytes, skipped[1]):
                 text, key, draw = _document_key(text, settings.seed)
                 batch.append(text)
                 batch_keys.append((key, draw < settings.val_fraction))
@@ -524,6 +545,9 @@ def describe(meta: dict) -> list[str]:
         t = meta["tokenizer_trained_on"]
         tok += f", trained on {t['documents']:,} documents ({t['characters'] / 1e6:.1f}M characters)"
     lines.append(tok)
+    for why, names in meta.get("skipped_files", {}).items():
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5:,} more" if len(names) > 5 else "")
+        lines.append(f"data: skipped {len(names):,} file(s) whole ({why.replace('_', ' ')}): {shown}")
     tokens, seconds = train["tokens"] + val["tokens"], meta["seconds"]
     lines.append(
         f"data: {meta['bytes_read'] / 1e6:,.1f} MB read, {tokens:,} tokens in {seconds['total']:.1f}s "
@@ -550,7 +574,11 @@ DATA_KEYS = (
 
 
 def prepare_for(cfg: Config, log=print) -> Path:
-    """A run's shards, prepared first if needed (the run's own folders are never read as corpus)."""
+    """A run's shards, prepared first if needed (the run's own folders are never read as corpus). A prepared
+    folder given as the dataset decides the data settings (adopt_prepared_settings)."""
+    if is_prepared_folder(cfg.dataset):
+        adopt_prepared_settings(cfg, Path(cfg.dataset), log)
+        return Path(cfg.dataset)
     settings = PrepareSettings(
         tokenizer=cfg.tokenizer,
         vocab_size=cfg.tokenizer_vocab_size,
@@ -562,9 +590,37 @@ def prepare_for(cfg: Config, log=print) -> Path:
     return prepare(cfg.dataset, cfg.data_dir, settings, exclude=(Path(cfg.data_dir), Path(cfg.out_dir)), log=log)
 
 
+def adopt_prepared_settings(cfg: Config, folder: Path, log=print) -> None:
+    """The data settings a prepared folder was made with become the run's, so that config.json records what
+    the run used; a setting given otherwise (not its default) contradicts the data and is refused."""
+    meta = load_shards(folder).meta
+    made = meta["settings"]
+    asked = PrepareSettings(tokenizer=cfg.tokenizer).deciding()["tokenizer"]
+    used = {
+        "tokenizer": cfg.tokenizer if asked == made["tokenizer"] else meta["tokenizer"],
+        "tokenizer_vocab_size": made.get("vocab_size", cfg.tokenizer_vocab_size),
+        "tokenizer_train_mb": made.get("tokenizer_train_mb", cfg.tokenizer_train_mb),
+        "val_fraction": made["val_fraction"],
+        "data_seed": made["seed"],
+        "text_field": made["text_field"],
+    }
+    defaults, adopted = Config(), []
+    for key, value in used.items():
+        if getattr(cfg, key) == value:
+            continue
+        if getattr(cfg, key) != getattr(defaults, key):
+            raise ConfigError(
+                f"{key}={getattr(cfg, key)!r}, but {folder} was prepared with {key}={value!r}: drop the setting to "
+                "train on that folder, or give the corpus itself to prepare it with yours"
+            )
+        setattr(cfg, key, value)
+        adopted.append(f"{key}={value!r}")
+    if adopted:
+        log(f"data: {folder} was prepared with {', '.join(adopted)}; the run uses (and records) those")
+
+
 def main(argv: list[str]) -> int:
-    from config import ConfigError, help_text, parse_config
-    from data import load_shards
+    from config import help_text, interrupted_exit_code, parse_config
 
     if any(a in ("-h", "--help") for a in argv):
         print(help_text("\n\n".join(__doc__.split("\n\n")[:2]), keys=DATA_KEYS))
@@ -584,12 +640,12 @@ def main(argv: list[str]) -> int:
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print(
             "\ninterrupted: the unfinished preparation was removed; run the same command to start again",
             file=sys.stderr,
         )
-        return 130
+        return interrupted_exit_code(e)
     print(f"ready: {path}")
     for line in describe(meta):
         print("  " + line.removeprefix("data: "))

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import data
-from config import RESUMABLE_CHANGES, Config, ConfigError, resolve_device
+from config import RESUMABLE_CHANGES, RUN_FILES, Config, ConfigError, Interrupted, check_run_files, resolve_device
 from model import GPT, GPTConfig
 
 
@@ -46,7 +48,7 @@ def exclusive_lock(path: Path, on_busy: Callable[[str], None] | None = None) -> 
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            holder = lock_holder(fd)
             if on_busy is None:
                 raise BlockingIOError(holder) from None
             on_busy(holder)
@@ -56,6 +58,21 @@ def exclusive_lock(path: Path, on_busy: Callable[[str], None] | None = None) -> 
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def lock_holder(fd: int) -> str:
+    """The process that holds the lock on this open file: from the kernel's table of locks where there is
+    one (/proc/locks, Linux), else the pid that the holder wrote into the file."""
+    stat = os.fstat(fd)
+    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    try:
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if "->" not in fields and "FLOCK" in fields and device in fields:  # "->" marks a waiting process
+                return fields[fields.index(device) - 1]
+    except OSError:
+        pass
+    return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
 
 
 def check_writable_folder(folder: Path, what: str) -> None:
@@ -84,6 +101,18 @@ def write_atomically(path: Path, text: str) -> None:
         raise
 
 
+def save_figure(figure, path: Path) -> None:
+    """A matplotlib figure written as write_atomically writes text: the previous file or none, never half of
+    one; a failure is one line (SaveFailed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        figure.savefig(tmp, format=path.suffix.lstrip("."), dpi=110, bbox_inches="tight")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise SaveFailed(f"could not write {path} ({e.strerror or e})") from None
+
+
 def format_duration(seconds: float) -> str:
     seconds = int(seconds)
     return (
@@ -98,9 +127,11 @@ def format_duration(seconds: float) -> str:
 @contextmanager
 def hold(cfg: Config):
     """Hold out_dir for the run's lifetime: refuse a folder that another run is using (a lock that the
-    OS drops if that run dies) or that holds a finished run this one would replace."""
+    OS drops if that run dies) or that holds a finished run this one would replace. Nothing of the folder
+    changes here: a new run replaces an old one only once it has its first checkpoint (RunFiles)."""
     out_dir = Path(cfg.out_dir)
     ckpt = out_dir / "ckpt.pt"
+    check_run_files(out_dir)
     if cfg.resume and not ckpt.is_file():
         raise ConfigError(f"resume=true but {ckpt} does not exist; start without --resume=true")
     check_writable_folder(out_dir, "out_dir")
@@ -120,9 +151,62 @@ def hold(cfg: Config):
                 f"{out_dir} holds a run (ckpt.pt): continue it with --resume=true, pick another out_dir, "
                 "or replace it with --overwrite=true"
             )
-        if cfg.overwrite and not cfg.resume:  # the run it replaces goes first: never its checkpoint with our log
-            ckpt.unlink(missing_ok=True)
         yield
+
+
+class RunFiles:
+    """Where a run writes its settings, metrics log and checkpoint. A new run in a folder that holds another
+    run's files writes its own to out_dir/.replacing/ until its first checkpoint is complete, then moves them
+    in, the checkpoint last: a run that is refused, fails or is stopped before then leaves the old run as it
+    was. The settings and the checkpoint carry the run's id, so a folder that a kill between those moves left
+    mixed is refused (check_one_run)."""
+
+    def __init__(self, out_dir: Path, run_id: str, fresh: bool, enabled: bool = True) -> None:
+        self.out_dir, self.run_id = out_dir, run_id
+        self.staging = out_dir / ".replacing"
+        replacing = fresh and enabled and any((out_dir / name).exists() for name in RUN_FILES)
+        if enabled:
+            shutil.rmtree(self.staging, ignore_errors=True)  # a replacement that never got its checkpoint
+        if replacing:
+            self.staging.mkdir()
+        self.folder = self.staging if replacing else out_dir
+
+    def path(self, name: str) -> Path:
+        return self.folder / name
+
+    def __enter__(self) -> "RunFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.discard()
+
+    def promote(self) -> None:
+        """Once the first checkpoint is written: this run's files replace the old run's."""
+        if self.folder == self.staging:
+            for name in ("config.json", "metrics.jsonl", "ckpt.pt"):
+                if (self.staging / name).exists():
+                    os.replace(self.staging / name, self.out_dir / name)
+            self.folder = self.out_dir
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+    def discard(self) -> None:
+        """A run that ends before its first checkpoint: what it staged goes, the old run stays."""
+        if self.folder == self.staging:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def check_one_run(out_dir: Path, checkpoint: dict) -> None:
+    """The settings and checkpoint of out_dir are of one run (their run ids agree), or one line. RunFiles
+    moves the settings in before the log and the checkpoint: a move cut short leaves them disagreeing."""
+    try:
+        settings_id = json.loads((out_dir / "config.json").read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return  # a missing or damaged config.json: the checkpoint's settings are used
+    if None not in (settings_id, checkpoint.get("run_id")) and settings_id != checkpoint["run_id"]:
+        raise ConfigError(
+            f"{out_dir} mixes two runs: its config.json belongs to another run than its ckpt.pt (a replacement was "
+            "interrupted); move the folder away, or start afresh in it with --overwrite=true"
+        )
 
 
 def check_fits(config: GPTConfig, batch_size: int, device: torch.device) -> None:
@@ -184,12 +268,41 @@ def any_process(flag: bool, device: torch.device) -> bool:
 # Checkpoints
 
 
+def content_digest(value, digest=None) -> str:
+    """sha256 of a checkpoint's content, in the order it is stored: every tensor's and array's dtype, shape
+    and bytes, every other value's repr. Written into the checkpoint and checked on every read, so bytes
+    changed inside the weights (which torch.load does not notice) refuse the file instead of being used."""
+    top = digest is None
+    digest = hashlib.sha256() if top else digest
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"tensor {flat.dtype} {tuple(value.shape)}".encode())
+        digest.update(memoryview(flat.view(torch.uint8).numpy()))
+    elif isinstance(value, np.ndarray):
+        digest.update(f"array {value.dtype} {value.shape}".encode())
+        digest.update(np.ascontiguousarray(value).tobytes())
+    elif isinstance(value, dict):
+        digest.update(f"dict {len(value)}".encode())
+        for key, item in value.items():
+            digest.update(repr(key).encode())
+            content_digest(item, digest)
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"{type(value).__name__} {len(value)}".encode())
+        for item in value:
+            content_digest(item, digest)
+    elif isinstance(value, bytes):
+        digest.update(f"bytes {len(value)}".encode() + value)
+    else:
+        digest.update(repr(value).encode())
+    return digest.hexdigest() if top else ""
+
+
 def save_checkpoint(path: Path, state: dict) -> None:
     """Write to a temporary file and rename it over the old one, so a kill or a failure mid-save leaves
-    the previous checkpoint intact."""
+    the previous checkpoint intact. The state's content digest goes in with it."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        torch.save(state, tmp)
+        torch.save({**state, "content_sha256": content_digest(state)}, tmp)
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # torch reports a failed write (disk full, size limit) as RuntimeError
         tmp.unlink(missing_ok=True)
@@ -204,7 +317,10 @@ CHECKPOINT_KEYS = {"model", "optimizer", "config", "model_config", "step", "data
 
 
 def read_checkpoint(path: Path) -> dict:
-    """A checkpoint written by train.py, or one line saying why the file is not one."""
+    """A checkpoint written by train.py whose content matches its digest, or one line saying why the file
+    is not one. Every reader goes through here: resume, sampling, export and the studies."""
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{path} is not a file, where the run's checkpoint belongs: move it away")
     if not path.is_file():
         raise ConfigError(f"{path} not found; train first with: python train.py --out_dir={path.parent}")
     try:
@@ -213,6 +329,16 @@ def read_checkpoint(path: Path) -> dict:
         raise ConfigError(f"{path} is not a readable checkpoint ({type(e).__name__})") from None
     if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
         raise ConfigError(f"{path} is not a checkpoint written by train.py")
+    written = state.pop("content_sha256", None)
+    if written is None:
+        print(
+            f"warning: {path} was written before checkpoints carried a digest: its content is not verified",
+            file=sys.stderr,
+        )
+    elif written != content_digest(state):
+        raise ConfigError(
+            f"{path} is damaged: its content does not match the digest written with it (a changed byte); it is not used"
+        )
     return state
 
 
@@ -235,13 +361,22 @@ def load_checkpoint(path: Path, cfg: Config, world_size: int) -> dict:
 
 class Checkpointer:
     """Writes out_dir/ckpt.pt: the model, the optimizer, the data position and every process's RNG state,
-    with the settings and the tokenizer, so the run resumes exactly and its folder stands alone."""
+    with the settings, the tokenizer and the last evaluation, so the run resumes exactly and its folder
+    stands alone (an export reads its loss from the same file as its weights)."""
 
     def __init__(
-        self, cfg: Config, model_config: GPTConfig, shard_path: Path, shards: data.Shards, enc: tiktoken.Encoding
+        self,
+        files: RunFiles,
+        cfg: Config,
+        model_config: GPTConfig,
+        shard_path: Path,
+        shards: data.Shards,
+        enc: tiktoken.Encoding,
     ) -> None:
-        self.path = Path(cfg.out_dir) / "ckpt.pt"
+        self.files = files
+        self.kept = ""  # where this run's last checkpoint is, once it wrote one
         self.fixed = {
+            "run_id": files.run_id,
             "config": dataclasses.asdict(cfg),
             "model_config": dataclasses.asdict(model_config),
             "tokenizer_sha256": shards.meta["tokenizer_sha256"],
@@ -255,8 +390,16 @@ class Checkpointer:
             "shards": str(shard_path.resolve()),
         }
 
-    def save(self, step: int, model: GPT, optimizer: torch.optim.Optimizer, batches: data.PackedBatches) -> None:
-        """A collective under DDP: every process calls it, process 0 writes."""
+    def save(
+        self,
+        step: int,
+        model: GPT,
+        optimizer: torch.optim.Optimizer,
+        batches: data.PackedBatches,
+        evaluation: dict | None = None,
+    ) -> None:
+        """A collective under DDP: every process calls it, process 0 writes. `evaluation`: the last one, at or
+        before this step (its figures, not its per-position lists)."""
         rng = [rng_states()]
         if dist.is_initialized():
             rng = [None] * dist.get_world_size()
@@ -269,9 +412,26 @@ class Checkpointer:
             "step": step,
             "data": batches.state_dict(),
             "rng": rng,
+            "evaluation": {k: v for k, v in (evaluation or {}).items() if not isinstance(v, list)},
             **self.fixed,
         }
-        save_checkpoint(self.path, state)
+        save_checkpoint(self.files.path("ckpt.pt"), state)
+        self.files.promote()
+        self.kept = f"the checkpoint of step {step} is kept in {self.files.path('ckpt.pt')}"
+
+
+def checkpoint_shards(path: Path, state: dict) -> Path:
+    """The shard folder a checkpoint trained on, if it is still there: a resumed run trains on it or not at all
+    (preparing again could give other shards after the corpus changed)."""
+    folder = Path(state["shards"])
+    try:
+        data.load_shards(folder)
+    except data.DataError as e:
+        raise ConfigError(
+            f"{path} trained on the shards in {folder}, which cannot be read now ({e}); a resumed run trains on "
+            "the data it started on: restore that folder, or start a new run"
+        ) from None
+    return folder
 
 
 def rng_states() -> dict:
@@ -354,19 +514,21 @@ class MetricsLog:
     when the `with` block is entered, at the first step."""
 
     def __init__(
-        self, out_dir: Path, cfg: Config, resume_step: int | None, world_size: int = 1, enabled: bool = True
+        self, files: RunFiles, cfg: Config, resume_step: int | None, world_size: int = 1, enabled: bool = True
     ) -> None:
-        self.path, self.enabled, self.wandb_run = out_dir / "metrics.jsonl", enabled, None
+        self.files, self.enabled, self.wandb_run = files, enabled, None
+        out_dir = files.out_dir
         self.first_step, self.max_iters, self.world_size = resume_step or 0, cfg.max_iters, world_size
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * world_size
         self.counted_since_log: torch.Tensor | int = 0  # on the device until a log step: no per-step sync
         if not enabled:  # processes other than 0 under DDP
             return
         if resume_step is None:
-            self.path.write_text("")
+            write_atomically(self.files.path("metrics.jsonl"), "")
         else:  # drop what was logged after the checkpoint, so the log reads as one run
-            kept = [line for line, record in read_metrics(self.path) if record["step"] <= resume_step]
-            write_atomically(self.path, "".join(line + "\n" for line in kept))
+            path = self.files.path("metrics.jsonl")
+            kept = [line for line, record in read_metrics(path) if record["step"] <= resume_step]
+            write_atomically(path, "".join(line + "\n" for line in kept))
         if cfg.wandb:
             try:
                 import wandb
@@ -388,8 +550,12 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        path = self.files.path("metrics.jsonl")
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:  # a full disk, a file-size limit: one line, as for a checkpoint
+            raise SaveFailed(f"could not write {path} ({e.strerror or e})") from None
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if not isinstance(v, list)}, step=record["step"])
 
@@ -441,14 +607,15 @@ class MetricsLog:
 
 
 class StopRequest:
-    """Ctrl-C / SIGTERM: finish the step in flight, checkpoint, exit 0. A context manager, so the
-    previous handlers come back when training returns."""
+    """Ctrl-C, SIGTERM or SIGHUP: finish the step in flight, checkpoint, exit 0; a second one stops at once.
+    A context manager, so the previous handlers come back when training returns."""
 
     def __init__(self) -> None:
         self.requested = False
 
     def __enter__(self) -> "StopRequest":
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        self._previous = {s: signal.signal(s, self._handle) for s in signals}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -456,8 +623,8 @@ class StopRequest:
             signal.signal(s, handler)
 
     def _handle(self, signum, frame) -> None:
-        if self.requested:  # a second Ctrl-C stops at once
-            raise KeyboardInterrupt
+        if self.requested:  # a second one stops at once
+            raise Interrupted(signum)
         self.requested = True
         print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint", flush=True)
 

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from contextlib import ExitStack, nullcontext
@@ -28,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import data
 import run_folder
-from config import Config, ConfigError, help_text, parse_config, run_main
+from config import Config, ConfigError, help_text, interrupted_exit_code, parse_config, run_main
 from data import Batch, DataError, PackedBatches
 from model import GPT, GPTConfig, attention_impl, attention_mask
 from prepare import prepare_for
@@ -247,6 +248,8 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
     out_dir = Path(cfg.out_dir)
     ckpt_path = out_dir / "ckpt.pt"
     checkpoint = run_folder.load_checkpoint(ckpt_path, cfg, world_size) if cfg.resume else None
+    if checkpoint is not None:
+        run_folder.check_one_run(out_dir, checkpoint)
     if cfg.packing == "pad" and cfg.flags != data.Flags():
         print0(
             "warning: with packing=pad each row holds one document, so the three flags change nothing", file=sys.stderr
@@ -256,13 +259,15 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
     guessed_vocab = (cfg.tokenizer_vocab_size if cfg.tokenizer == "bpe" else 256) + cfg.bos
     run_folder.check_fits(model_settings(cfg, guessed_vocab), cfg.batch_size, device)
     failed = None
-    if main_process:  # process 0 prepares the data first; the others then find it
+    if checkpoint is not None:  # a resumed run trains on the shards it started on, or not at all
+        shard_path = run_folder.checkpoint_shards(ckpt_path, checkpoint)
+    elif main_process:  # process 0 prepares the data first; the others then find it
         try:
             shard_path = prepare_for(cfg, log=print0)
         except (ConfigError, DataError) as e:
             failed = e
     run_folder.agree(failed)
-    if not main_process:
+    if checkpoint is None and not main_process:
         shard_path = prepare_for(cfg, log=print0)
     shards = data.load_shards(shard_path)
     if cfg.eval_tokens == -1:  # resolved once, and kept in config.json and the checkpoint: a resumed run
@@ -314,10 +319,13 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
         training_model = DistributedDataParallel(fast_model, device_ids=ddp_devices, broadcast_buffers=False)
     precision = autocast(device, cfg.dtype)
 
+    run_id = (checkpoint or {}).get("run_id") or secrets.token_hex(8)
+    files = run_folder.RunFiles(out_dir, run_id, fresh=checkpoint is None, enabled=main_process)
     if main_process:
-        run_folder.write_atomically(out_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=1))
-    log = run_folder.MetricsLog(out_dir, cfg, start_step if checkpoint else None, world_size, enabled=main_process)
-    checkpoints = run_folder.Checkpointer(cfg, model_config, shard_path, shards, enc)
+        settings = json.dumps({"run_id": run_id, **dataclasses.asdict(cfg)}, indent=1)
+        run_folder.write_atomically(files.path("config.json"), settings)
+    log = run_folder.MetricsLog(files, cfg, start_step if checkpoint else None, world_size, enabled=main_process)
+    checkpoints = run_folder.Checkpointer(files, cfg, model_config, shard_path, shards, enc)
     print0(
         f"model: {model.num_params() / 1e6:.2f}M parameters, pos_emb={cfg.pos_emb}, device={device}, "
         f"attention={attention_impl(cfg.doc_mask, cfg.attn_impl, device)}"
@@ -337,7 +345,8 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
     # The loop. The loss stays on the device between log steps: checking it every step would wait for the GPU.
     result: dict = {}
     nonfinite = torch.zeros((), dtype=torch.bool, device=device)
-    with run_folder.StopRequest() as stop, log:
+    kept = f"the checkpoint of step {start_step} is kept in {ckpt_path}" if checkpoint else "no checkpoint was written"
+    with run_folder.StopRequest() as stop, log, files:
         for step in range(start_step + 1, cfg.max_iters + 1):
             lr = lr_at(step - 1, cfg)
             for group in optimizer.param_groups:
@@ -358,7 +367,7 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
             if (should_log or should_eval) and nonfinite.item():  # before anything is logged or saved
                 raise TrainingDiverged(
                     f"training loss became non-finite by step {step} (last value {loss.item()}); "
-                    f"the last good checkpoint is kept in {ckpt_path}"
+                    f"{checkpoints.kept or kept}"
                 )
             if should_log:
                 log.training(step, loss, lr)
@@ -371,14 +380,13 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
                     }
                     if not (math.isfinite(result["val_loss"]) and math.isfinite(result["val_doc_loss"])):
                         raise TrainingDiverged(
-                            f"validation loss is non-finite at step {step}; "
-                            f"the last good checkpoint is kept in {ckpt_path}"
+                            f"validation loss is non-finite at step {step}; {checkpoints.kept or kept}"
                         )
                     log.write(result)
-                checkpoints.save(step, model, optimizer, train_batches)
+                checkpoints.save(step, model, optimizer, train_batches, result)
                 log.evaluated(result, time.time() - t_eval)
             if stopping and not last:
-                checkpoints.save(step, model, optimizer, train_batches)
+                checkpoints.save(step, model, optimizer, train_batches, result)
                 print0(f"stopped after step {step}; resume with: python train.py --out_dir={cfg.out_dir} --resume=true")
                 return result
 
@@ -406,7 +414,7 @@ def main(argv: list[str]) -> int:
         if first_process:
             print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # a second Ctrl-C (the first one finishes the step and saves), or one before training
+    except KeyboardInterrupt as e:  # a second stop signal (the first finishes the step and saves), or one before
         if first_process:
             resumable = cfg is not None and (Path(cfg.out_dir) / "ckpt.pt").exists()
             resume = f"; resume from the last checkpoint with: python train.py --out_dir={cfg.out_dir} --resume=true"
@@ -414,7 +422,7 @@ def main(argv: list[str]) -> int:
                 f"\ninterrupted: stopped at once, nothing half-written kept{resume if resumable else ''}",
                 file=sys.stderr,
             )
-        return 130
+        return interrupted_exit_code(e)
     return 0
 
 

@@ -57,6 +57,7 @@ from config import (
     ConfigError,
     command_line_values,
     help_text,
+    interrupted_exit_code,
     parse_config,
     read_config_file,
     resolve_device,
@@ -332,7 +333,8 @@ def run_config(train_args: list[str], pos_emb: str, variant: str, seed: int, out
     if variant == "pad":  # the same real training tokens: more steps, with the schedule stretched to match
         # (pad_equal_compute keeps the packed run's steps: the same FLOPs, fewer real tokens)
         for key in ("max_iters", "warmup_iters", "eval_interval"):
-            setattr(cfg, key, max(1, round(getattr(cfg, key) * pad_factor)))
+            stretched = round(getattr(cfg, key) * pad_factor)
+            setattr(cfg, key, stretched if key == "warmup_iters" else max(1, stretched))  # no warmup stays none
     return cfg
 
 
@@ -928,7 +930,7 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
         ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
         ax.axvline(0, color="black", lw=0.8)
         ax.set_xlabel("effect vs baseline (nats), 95% CI")
-    fig.savefig(out / "effects.png", dpi=110, bbox_inches="tight")
+    run_folder.save_figure(fig, out / "effects.png")
 
     # loss_by_position.png: difference to the reference by position within the document
     fig, axes = panels()
@@ -951,7 +953,7 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
         ax.set_xlabel("position within the document (early band shaded)")
     axes[0].set_ylabel("loss minus its baseline's (same seed)")
     axes[0].legend(fontsize=8)
-    fig.savefig(out / "loss_by_position.png", dpi=110, bbox_inches="tight")
+    run_folder.save_figure(fig, out / "loss_by_position.png")
 
     # offset_probe.png: the probe documents' loss by what precedes them
     fig, axes = panels()
@@ -963,7 +965,7 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
         ax.set_xlabel("tokens of other documents before the document (1: the EOT alone)")
     axes[0].set_ylabel("loss on the document")
     axes[0].legend(fontsize=8)
-    fig.savefig(out / "offset_probe.png", dpi=110, bbox_inches="tight")
+    run_folder.save_figure(fig, out / "offset_probe.png")
 
     if all("import_leak" in r for pos in runs for cell in runs[pos].values() for r in cell.values()):
         fig, axes = panels()
@@ -979,7 +981,7 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
             ax.set_xlabel("files before B that import m")
         axes[0].set_ylabel("Δ log P(import m) vs B alone (nats)")
         axes[0].legend(fontsize=8)
-        fig.savefig(out / "import_leak.png", dpi=110, bbox_inches="tight")
+        run_folder.save_figure(fig, out / "import_leak.png")
     plt.close("all")
 
 
@@ -1040,9 +1042,9 @@ def main(argv: list[str]) -> int:
     except (ConfigError, data.DataError, train.TrainingDiverged, run_folder.SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # a second Ctrl-C, or one outside training (the probes)
+    except KeyboardInterrupt as e:  # a second stop signal, or one outside training (the probes)
         print("\ninterrupted: run the same command to continue the study", file=sys.stderr)
-        return 130
+        return interrupted_exit_code(e)
     try:
         write_report(runs, study, offsets, base, regime, pad_factor, out)
     except run_folder.SaveFailed as e:

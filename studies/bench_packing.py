@@ -109,6 +109,9 @@ def main(argv: list[str]) -> int:
     except (ConfigError, DataError, SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # a full disk or a file-size limit while the synthetic split is written
+        print(f"error: could not write the synthetic split ({e.strerror or e}); nothing was kept", file=sys.stderr)
+        return 1
 
 
 def benchmark(args, seq_lens: list[int], out: Path, parse_config) -> int:

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 import transformers
-from conftest import tiny_args
+from conftest import rewrite_checkpoint, tiny_args
 
 import data
 import export_hf
@@ -173,10 +173,10 @@ def test_refusals_are_one_line(run, tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     assert export_hf.main([f"--out_dir={run}", f"--to={tmp_path / 'taken'}"]) == 1
     assert "exists: give another --to, or --overwrite=true" in capsys.readouterr().err
-    state = torch.load(run / "ckpt.pt", weights_only=False)
-    state["model_config"]["pos_emb"] = "alibi"
     (tmp_path / "odd").mkdir()
-    torch.save(state, tmp_path / "odd" / "ckpt.pt")
+    rewrite_checkpoint(
+        run / "ckpt.pt", lambda state: state["model_config"].update(pos_emb="alibi"), tmp_path / "odd" / "ckpt.pt"
+    )
     assert export_hf.main([f"--out_dir={tmp_path / 'odd'}", f"--to={tmp_path / 'y'}"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pos_emb='alibi' has no Hugging Face mapping" in err

@@ -488,6 +488,8 @@ def test_evaluation_suits_the_run_and_shows_progress(monkeypatch, capsys):
     assert train.eval_token_budget(Config(max_iters=10)) == 32_768  # a tiny run: the floor
     assert train.eval_token_budget(Config(batch_size=64, seq_len=1024, eval_interval=1000)) == 1_000_000
     assert train.eval_token_budget(Config(eval_tokens=0)) == 0 and train.eval_token_budget(Config(eval_tokens=5)) == 5
+    # every row of every micro-batch and process counts: 2 x 2 x 8 x 256 tokens a step, 300 steps, a quarter
+    assert train.eval_token_budget(Config(grad_accum=2), world_size=2) == 614_400
     clock = itertools.count(0, 4)  # every call 4 "seconds" later
     monkeypatch.setattr(train.time, "time", lambda: next(clock))
     progress = train.EvaluationProgress(10, print)
@@ -554,7 +556,9 @@ def test_export_never_replaces_the_run_the_working_folder_or_a_folder_that_is_no
 
 
 @pytest.mark.slow
-def test_a_moved_run_resumes_where_it_is_and_overwrite_drops_the_old_checkpoint_first(reference_run, tmp_path):
+def test_a_moved_run_resumes_where_it_is_and_overwrite_keeps_the_old_run_until_it_has_a_checkpoint(
+    reference_run, tmp_path
+):
     args, _ = reference_run
     first = tmp_path / "first"
     train.train(parse_config(args(first, max_iters=3)))
@@ -566,7 +570,8 @@ def test_a_moved_run_resumes_where_it_is_and_overwrite_drops_the_old_checkpoint_
     train.train(cfg)
     assert not first.exists() and torch.load(moved / "ckpt.pt", weights_only=False)["step"] == 6
     with run_folder.hold(parse_config(args(moved) + ["--overwrite=true"])):
-        assert not (moved / "ckpt.pt").exists()  # a kill now cannot leave the old run's checkpoint with a new log
+        files = run_folder.RunFiles(moved, "new", fresh=True)  # a kill now leaves the old run whole
+        assert files.path("ckpt.pt") == moved / ".replacing" / "ckpt.pt" and (moved / "ckpt.pt").exists()
     tried("moved or replaced run folder", 2)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tiktoken
 import torch
-from conftest import ROOT, make_documents, tiny_args
+from conftest import ROOT, make_documents, rewrite_checkpoint, tiny_args
 
 import corpora
 import data
@@ -186,9 +186,7 @@ def test_shards_with_another_tokenizer_than_the_checkpoint(tiny_corpus, tmp_path
     out = tmp_path / "run"
     args = tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)
     train.train(parse_config(args))
-    state = torch.load(out / "ckpt.pt", weights_only=False)
-    state["tokenizer_sha256"] = "0" * 64
-    torch.save(state, out / "ckpt.pt")
+    rewrite_checkpoint(out / "ckpt.pt", lambda state: state.update(tokenizer_sha256="0" * 64))
     with pytest.raises(ConfigError, match="trained with another tokenizer"):
         train.train(parse_config(args + ["--max_iters=4", "--resume=true"]))
 

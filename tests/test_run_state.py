@@ -1,0 +1,346 @@
+"""Fault injection, round 4: no run trains, samples or exports from damaged or mismatched state. One test
+(or a few) per category: checkpoints damaged inside their weights, paths of the wrong kind where a run's
+file goes, settings the data contradicts, empty files among good ones, data changed under a resumed run,
+a run read while it is written, the smallest shapes, messages that name what exists, runs refused or
+failed before their first checkpoint, every way a process ends, and a damaged config.json beside a good
+checkpoint."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, make_documents, tiny_args
+
+import export_hf
+import prepare
+import run_folder
+import sample
+import train
+from config import ConfigError, parse_config
+from data import DataError
+
+pytestmark = pytest.mark.slow  # every test here trains a model or starts a process
+
+
+def python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def one_line(result: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and result.returncode != 0, result.stderr[-2000:]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_corpus, tmp_path_factory) -> tuple[Path, list[str]]:
+    """A finished run of 4 steps with checkpoints at 2 and 4, and the arguments that made it."""
+    tmp = tmp_path_factory.mktemp("trained")
+    args = tiny_args(tiny_corpus, tmp / "data", tmp / "run", max_iters=4, eval_interval=2)
+    train.train(parse_config(args))
+    return tmp / "run", args
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and p.name != ".lock"}
+
+
+# ---- 1. a checkpoint damaged inside its weights, without a change of size
+
+
+def flip_byte_in_weights(path: Path, where: float) -> None:
+    """Change one byte at `where` (0-1) into the largest tensor's data in the checkpoint's zip archive."""
+    archive = zipfile.ZipFile(path)
+    member = max(archive.infolist(), key=lambda info: info.file_size)
+    raw = bytearray(path.read_bytes())
+    header = member.header_offset
+    name_length = int.from_bytes(raw[header + 26 : header + 28], "little")
+    extra_length = int.from_bytes(raw[header + 28 : header + 30], "little")
+    raw[header + 30 + name_length + extra_length + int(where * (member.file_size - 1))] ^= 0x40
+    path.write_bytes(raw)
+
+
+def test_a_checkpoint_damaged_inside_its_weights_is_refused_by_every_reader(trained, tmp_path):
+    run = copy_of(trained[0], tmp_path)
+    ckpt = run / "ckpt.pt"
+    flip_byte_in_weights(ckpt, 0.5)
+    torch.load(ckpt, weights_only=False)  # torch itself reads the damaged file without a word
+    for reader in (
+        lambda: run_folder.read_checkpoint(ckpt),
+        lambda: run_folder.load_run(run, torch.device("cpu")),  # sampling and the studies' probes
+        lambda: export_hf.export(run, tmp_path / "hf"),
+        lambda: train.train(parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=6"])),
+    ):
+        with pytest.raises(ConfigError, match=f"{ckpt} is damaged: its content does not match the digest"):
+            reader()
+    assert one_line(python("sample.py", f"--out_dir={run}")).startswith(f"error: {ckpt} is damaged")
+    assert not (tmp_path / "hf").exists()  # nothing was written from it
+    # at any place of the weights
+    for where in np.linspace(0, 1, 7):
+        shutil.copy(trained[0] / "ckpt.pt", ckpt)
+        flip_byte_in_weights(ckpt, float(where))
+        with pytest.raises(ConfigError, match="damaged"):
+            run_folder.read_checkpoint(ckpt)
+
+
+def test_the_digest_covers_every_kind_of_content():
+    state = {"a": torch.arange(6, dtype=torch.bfloat16).view(2, 3), "b": [np.arange(3), b"xy", ("s", 1.5)]}
+    digest = run_folder.content_digest(state)
+    assert digest == run_folder.content_digest({k: v for k, v in state.items()})  # a function of the content
+    for changed in (
+        {**state, "a": state["a"].clone().index_fill_(1, torch.tensor([2]), 7.0)},
+        {**state, "a": state["a"].reshape(3, 2)},  # the same bytes in another shape
+        {**state, "b": [np.arange(3), b"xz", ("s", 1.5)]},
+        {**state, "b": [np.arange(3), b"xy", ("s", 1.25)]},
+        {"b": state["b"], "a": state["a"]},  # another order
+    ):
+        assert run_folder.content_digest(changed) != digest
+
+
+# ---- 2. a path of the wrong kind where a run's file goes
+
+
+@pytest.mark.parametrize("name", ["ckpt.pt", "config.json", "metrics.jsonl"])
+def test_a_folder_where_a_run_file_belongs_is_the_same_one_line_in_every_mode(trained, tmp_path, name):
+    run = copy_of(trained[0], tmp_path)
+    (run / name).unlink()
+    (run / name).mkdir()
+    expected = f"{run / name} is not a file, where the run's"
+    for mode in ([], ["--overwrite=true"], ["--resume=true", "--max_iters=6"]):
+        with pytest.raises(ConfigError, match=expected):
+            train.train(parse_config(trained[1] + [f"--out_dir={run}", *mode]))
+    assert (run / name).is_dir()
+
+
+# ---- 3. settings that the data contradicts
+
+
+def test_a_prepared_folder_decides_the_data_settings_and_a_contradicting_one_is_refused(trained, tmp_path):
+    shards = Path(run_folder.read_checkpoint(trained[0] / "ckpt.pt")["shards"])
+    base = tiny_args(shards, tmp_path / "data", tmp_path / "a", max_iters=1, eval_interval=1)
+    base = [a for a in base if not a.startswith("--tokenizer_vocab_size")]
+    for setting in ("--tokenizer_vocab_size=500", "--val_fraction=0.2", "--data_seed=7", "--text_field=body"):
+        with pytest.raises(ConfigError, match=rf"{setting[2:].split('=')[0]}=.*but {shards} was prepared with"):
+            train.train(parse_config(base + [setting]))
+    assert not any((tmp_path / "a" / name).exists() for name in run_folder.RUN_FILES)
+    train.train(parse_config(base))  # the defaults: the folder's own settings are used, and recorded
+    recorded = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert recorded["tokenizer_vocab_size"] == 320 and recorded["dataset"] == str(shards)
+
+
+# ---- 4. empty or damaged files among good ones
+
+
+def test_empty_files_in_a_folder_are_skipped_and_named_and_a_damaged_one_is_refused(tmp_path):
+    import gzip
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    docs = make_documents(200)
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in docs)
+    (corpus / "good.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    for name in ("empty.jsonl.gz", "empty.jsonl.zst", "empty.jsonl"):
+        (corpus / name).write_bytes(b"")
+    (corpus / "blank.jsonl").write_text("\n\n")
+    folder = prepare.prepare(str(corpus), str(tmp_path / "data"), prepare.PrepareSettings(vocab_size=300), log=print)
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["skipped"]["empty_file"] == 4
+    assert meta["skipped_files"] == {"empty_file": ["blank.jsonl", "empty.jsonl", "empty.jsonl.gz", "empty.jsonl.zst"]}
+    assert any("skipped 4 file(s) whole (empty file): blank.jsonl" in line for line in prepare.describe(meta))
+    good = gzip.compress(b'{"text": "a b c"}\n' * 500)
+    (corpus / "cut.jsonl.gz").write_bytes(good[: len(good) // 2])  # damage found after some of it was read
+    with pytest.raises(DataError, match="cut.jsonl.gz cannot be read to the end"):
+        prepare.prepare(str(corpus), str(tmp_path / "data"), prepare.PrepareSettings(vocab_size=300), log=print)
+
+
+# ---- 5. the data changed under a run that resumes
+
+
+def test_a_resumed_run_trains_on_the_shards_its_checkpoint_names_or_not_at_all(tiny_corpus, tmp_path):
+    corpus = tmp_path / "docs.jsonl"
+    shutil.copy(tiny_corpus, corpus)
+    args = tiny_args(corpus, tmp_path / "data", tmp_path / "run", max_iters=2, eval_interval=2)
+    train.train(parse_config(args))
+    shards = run_folder.read_checkpoint(tmp_path / "run" / "ckpt.pt")["shards"]
+    with open(corpus, "a") as f:  # the corpus grows: preparing it again would give other shards
+        f.write("".join(json.dumps({"text": d}) + "\n" for d in make_documents(300, seed=9)))
+    train.train(parse_config([f"--out_dir={tmp_path / 'run'}", "--resume=true", "--max_iters=4"]))
+    assert run_folder.read_checkpoint(tmp_path / "run" / "ckpt.pt")["shards"] == shards
+    assert [p.name for p in (tmp_path / "data").iterdir() if not p.name.startswith(".")] == [Path(shards).name]
+    shutil.rmtree(shards)  # and once they are gone, it is refused
+    with pytest.raises(ConfigError, match=f"trained on the shards in {shards}, which cannot be read now"):
+        train.train(parse_config([f"--out_dir={tmp_path / 'run'}", "--resume=true", "--max_iters=6"]))
+
+
+# ---- 6. a run read while it is written
+
+
+def test_an_export_takes_its_step_and_loss_from_the_checkpoint_it_exports(trained, tmp_path):
+    run = copy_of(trained[0], tmp_path)
+    state = run_folder.read_checkpoint(run / "ckpt.pt")
+    assert state["evaluation"]["step"] == state["step"] == 4
+    with open(run / "metrics.jsonl", "a") as f:  # training goes on: a later evaluation, not yet in ckpt.pt
+        f.write(json.dumps({"step": 6, "val_loss": 1.0, "val_doc_loss": 1.2345}) + "\n")
+    export_hf.export(run, tmp_path / "hf")
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert f"{state['evaluation']['val_doc_loss']:.4f} at step 4" in card and "1.2345" not in card
+
+
+# ---- 7. the smallest shapes train.py accepts
+
+
+@pytest.mark.parametrize("extra", [[], ["--bos=true", "--packing=bestfit"], ["--packing=pad", "--pos_emb=rope"]])
+def test_the_shortest_rows_train_evaluate_sample_and_export(tiny_corpus, tmp_path, extra):
+    args = tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", seq_len=2, n_embd=2, n_head=1, batch_size=1)
+    train.train(parse_config(args + ["--max_iters=2", "--eval_interval=1", "--eval_tokens=64", *extra]))
+    assert sample.main([f"--out_dir={tmp_path / 'run'}", "--max_new_tokens=3"]) == 0
+    export_hf.export(tmp_path / "run", tmp_path / "hf")
+
+
+# ---- 9. messages that name what exists
+
+
+def test_a_run_that_diverges_before_its_first_checkpoint_says_none_was_written(tiny_corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "accumulate_gradients", lambda *a, **k: torch.tensor(float("nan")))
+    with pytest.raises(train.TrainingDiverged) as error:
+        train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", eval_interval=4)))
+    assert str(error.value).endswith("no checkpoint was written") and not (tmp_path / "run" / "ckpt.pt").exists()
+
+
+def test_a_busy_folder_names_the_process_that_holds_its_lock(tmp_path):
+    (tmp_path / ".lock").write_text("1")  # a pid left by an earlier holder
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import fcntl, os, time; fd = os.open({str(tmp_path / '.lock')!r}, os.O_RDWR); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=rf"in use by another run \(process {holder.pid}\)"):
+            with run_folder.hold(parse_config([f"--out_dir={tmp_path}"])):
+                pass
+    finally:
+        holder.kill()
+
+
+# ---- 10. a run that is refused or fails changes nothing that was there
+
+
+def test_overwriting_replaces_the_old_run_only_once_the_new_one_has_a_checkpoint(trained, tmp_path, monkeypatch):
+    run = copy_of(trained[0], tmp_path)
+    before = contents(run)
+    overwrite = trained[1] + [f"--out_dir={run}", "--overwrite=true", "--seed=5"]
+    with pytest.raises(DataError):  # refused after the folder was taken: bad data
+        train.train(parse_config(overwrite + [f"--dataset={tmp_path / 'missing.jsonl'}"]))
+    assert contents(run) == before
+
+    def full_disk(path, state):
+        raise run_folder.SaveFailed(f"could not save the checkpoint {path} (No space left on device)")
+
+    monkeypatch.setattr(run_folder, "save_checkpoint", full_disk)
+    with pytest.raises(run_folder.SaveFailed):  # failed at its first checkpoint
+        train.train(parse_config(overwrite))
+    assert contents(run) == before and not (run / ".replacing").exists()
+    monkeypatch.undo()
+    train.train(parse_config(overwrite))
+    after = contents(run)
+    assert after.keys() == before.keys() and all(after[k] != before[k] for k in after)
+    assert json.loads(after["config.json"])["run_id"] == run_folder.read_checkpoint(run / "ckpt.pt")["run_id"]
+
+
+def test_a_folder_that_mixes_two_runs_is_refused(trained, tmp_path):
+    run = copy_of(trained[0], tmp_path)
+    settings = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**settings, "run_id": "another"}))  # a move that never finished
+    with pytest.raises(ConfigError, match=f"{run} mixes two runs: its config.json belongs to another run"):
+        train.train(parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=6"]))
+
+
+# ---- 11. every way a process ends
+
+
+def test_sigterm_or_sighup_during_preparation_is_one_line_and_leaves_nothing(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in make_documents(20000)))
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        data_dir = tmp_path / f"data{signum}"
+        child = subprocess.Popen(
+            [sys.executable, "prepare.py", str(corpus), f"--data_dir={data_dir}", "--tokenizer_vocab_size=300"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.time() + 120
+        while not any(data_dir.glob(".*.tmp-*")) and time.time() < deadline:  # the preparation has begun
+            time.sleep(0.05)
+        child.send_signal(signum)
+        _, err = child.communicate(timeout=120)
+        assert child.returncode == 128 + signum, err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("interrupted:") and "Traceback" not in err
+        assert not list(data_dir.glob(".*.tmp-*")) and not list(data_dir.glob("*/meta.json"))
+
+
+def test_sighup_stops_training_like_ctrl_c(tiny_corpus, tmp_path):
+    args = tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", max_iters=100000, eval_interval=100000)
+    child = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    for line in child.stdout:
+        if line.startswith("step "):
+            break
+    child.send_signal(signal.SIGHUP)
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 0 and "SIGHUP: finishing this step" in out and "stopped after step" in out
+    step = run_folder.read_checkpoint(tmp_path / "run" / "ckpt.pt")["step"]
+    assert f"stopped after step {step};" in out
+
+
+def test_a_result_that_cannot_be_written_is_one_line(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (tmp_path / "figure.png").mkdir()  # nothing can be written there
+    with pytest.raises(run_folder.SaveFailed, match="could not write"):
+        run_folder.save_figure(plt.figure(), tmp_path / "figure.png")
+    (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)
+    files = run_folder.RunFiles(tmp_path / "run", "id", fresh=False)
+    with pytest.raises(run_folder.SaveFailed, match="could not write"):
+        run_folder.MetricsLog(files, parse_config([]), resume_step=None)
+
+
+# ---- 12. a damaged config.json beside a good checkpoint
+
+
+def test_a_damaged_config_json_beside_a_good_checkpoint_resumes_with_its_settings(trained, tmp_path, capsys):
+    run = copy_of(trained[0], tmp_path)
+    (run / "config.json").write_text('{"max_iters": 4, "n_embd": ')  # cut short
+    cfg = parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=6"])
+    assert "resuming with the settings in ckpt.pt" in capsys.readouterr().err
+    assert cfg.n_embd == 32 and cfg.max_iters == 6
+    train.train(cfg)
+    assert json.loads((run / "config.json").read_text())["max_iters"] == 6  # written whole again
+    (run / "ckpt.pt").unlink()
+    (run / "config.json").write_text("{")
+    with pytest.raises(ConfigError, match="cannot be read .* and there is no checkpoint to resume from"):
+        parse_config([f"--out_dir={run}", "--resume=true"])
