@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -324,3 +325,48 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
         text=True,
     )
     assert changed.returncode == 1 and "config.eval_tokens" in changed.stderr and "step" not in changed.stdout
+
+
+def test_a_pad_run_gets_the_steps_for_as_many_real_tokens_and_keeps_the_rest():
+    """Documents of 3, 5 and 17 tokens (EOT included) at seq_len 8 give pad rows of 3, 5, 9 and 9 tokens, so
+    8, 8 and 8 of their inputs are real out of 3, 5, 8 and 8: the factor is 8 / 6."""
+    from data import Shards
+
+    stream = np.concatenate([np.append(np.ones(n - 1, dtype=np.uint16), 63) for n in (3, 5, 17)])
+    factor = ablate.pad_steps_factor(Shards(meta={"eot_id": 63}, train=stream, val=stream), 8)
+    assert factor == pytest.approx(8 / 6)
+    args = ["--seq_len=8", "--max_iters=30", "--warmup_iters=0", "--eval_interval=10", "--eval_tokens=-1"]
+    reference = ablate.run_config(args, "learned", "reference", 0, Path("r"), factor)
+    pad = ablate.run_config(args, "learned", "pad", 0, Path("p"), factor)
+    assert (pad.max_iters, pad.eval_interval, pad.warmup_iters) == (40, 13, 0)  # no warmup stays none
+    assert pad.eval_tokens == reference.eval_tokens > 0  # the same documents, fixed before the stretch
+
+
+def test_a_baseline_runs_every_seed_of_what_is_compared_with_it():
+    study = ablate.Study(
+        pos_embs=["rope"],
+        variants=["reference", "no_bos", "no_bos_no_mask_boundary_loss"],
+        seeds=2,
+        seeds_by_variant={"no_bos_no_mask_boundary_loss": 5},
+    )
+    seeds = ablate.seeds_of_cells(study)
+    assert seeds[("rope", "no_bos")] == seeds[("rope", "reference")] == [0, 1, 2, 3, 4]
+
+
+def test_a_cells_interval_and_p_value_are_the_paired_t_tests():
+    from scipy.stats import ttest_rel
+
+    study = ablate.Study(pos_embs=["learned"], variants=["reference", "no_doc_mask"], seeds=5)
+    own = [5.31, 5.42, 5.27, 5.39, 5.35]
+    base = [5.30, 5.36, 5.29, 5.31, 5.33]
+    runs = {
+        "learned": {
+            "reference": {s: fake_result(v, v, v) for s, v in enumerate(base)},
+            "no_doc_mask": {s: fake_result(v, v, v) for s, v in enumerate(own)},
+        }
+    }
+    entry = ablate.summarise(runs, study, [1, 32, 64])["learned/no_doc_mask"]["endpoints"]["early"]
+    expected = ttest_rel(own, base)
+    assert entry["p_difference"] == pytest.approx(expected.pvalue, rel=1e-9) and entry["df"] == 4
+    low, high = expected.confidence_interval(0.95)
+    assert entry["ci95"] == pytest.approx([low, high], rel=1e-9)

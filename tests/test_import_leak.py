@@ -92,6 +92,20 @@ def test_with_the_document_mask_the_probe_sees_no_leak_at_all(enc):
     assert max(abs(e["delta_logprob"]) for e in result["logprob"].values() if e["pairs"]) > 1e-3
 
 
+def test_the_continuation_log_probability_is_the_sum_over_its_tokens():
+    """Pinned against log_softmax of the model's logits at each position, written out."""
+    model = tiny_gpt(64, seq_len=32).eval()
+    start, continuation = np.array([3, 8, 63, 5, 9]), np.array([11, 12, 13])
+    got = import_leak.continuation_logprobs(
+        model, Flags(doc_mask=False), 63, [(start, continuation)], torch.device("cpu")
+    )
+    row = torch.from_numpy(np.concatenate([start, continuation]))[None]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(row, torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]), None)[0].double(), -1)
+    expected = sum(logp[len(start) - 1 + j, token].item() for j, token in enumerate(continuation))
+    assert got[0] == pytest.approx(expected, abs=1e-5)
+
+
 def test_with_the_start_marker_every_file_begins_with_its_bos_and_the_mask_still_hides_them(enc):
     marked = with_start_marker(enc, start_marker_id(enc))
     bos = start_marker_id(enc)

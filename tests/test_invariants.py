@@ -149,6 +149,13 @@ def test_gradient_accumulation_normalises_by_counted_targets_of_the_whole_step()
     accumulated = accumulate_gradients(model, micro, torch.autocast("cpu", enabled=False), model.config)
     grads_accumulated = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
+    # the definition, written out: every counted target of the step weighs the same
+    by_hand = sum(summed_loss(model, m)[0] for m in micro) / sum(summed_loss(model, m)[1] for m in micro)
+    by_hand.backward()
+    assert torch.allclose(accumulated, by_hand.detach(), rtol=1e-6)
+    for g, p in zip(grads_accumulated, model.parameters()):
+        assert torch.allclose(g, p.grad, atol=1e-7)
+    model.zero_grad()
     both = type(micro[0])(*(torch.cat([getattr(m, f) for m in micro]) for f in micro[0].TENSORS))
     whole = accumulate_gradients(model, [both], torch.autocast("cpu", enabled=False), model.config)
     assert torch.allclose(accumulated, whole, rtol=1e-5)
@@ -161,3 +168,16 @@ def test_gradient_accumulation_normalises_by_counted_targets_of_the_whole_step()
         (loss / count / len(micro)).backward()
     differs = [not torch.allclose(g, p.grad, atol=1e-4) for g, p in zip(grads_accumulated, model.parameters())]
     assert any(differs)
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_the_model_sees_the_order_of_earlier_tokens(pos_emb):
+    """Attention without positions is blind to the order of what it attends to: swapping two earlier tokens
+    would leave the last logits as they are. Both position kinds must change them."""
+    model = tiny_gpt(pos_emb).eval()
+    x = torch.tensor([[5, 9, 17, 3, 40]])
+    swapped = torch.tensor([[9, 5, 17, 3, 40]])
+    positions = torch.arange(5)[None]
+    with torch.no_grad():
+        a, b = model(x, positions, None)[0, -1], model(swapped, positions, None)[0, -1]
+    assert not torch.allclose(a, b, atol=1e-4)

@@ -304,3 +304,39 @@ def test_packing_statistics_on_a_hand_counted_layout():
 def test_a_packing_that_is_not_known_is_refused():
     with pytest.raises(ValueError, match="packing must be one of concat, pad, bestfit"):
         PackedBatches(stream_of([5] * 40), EOT, 8, 2, "greedy")
+
+
+def test_the_row_order_is_the_documented_seeded_permutation_and_each_process_takes_its_own_rows():
+    """Pinned against the rule written out by hand, not against a second loader."""
+    stream = stream_of(np.random.default_rng(2).integers(2, 40, 300).tolist())
+    n_rows = len(concat_rows(Documents(stream, EOT), 16))
+    for rank in range(2):
+        batches = PackedBatches(stream, EOT, 16, 4, seed=11, rank=rank, world_size=2)
+        per_epoch = n_rows // 8
+        for epoch in range(2):
+            order = np.random.default_rng([11, epoch]).permutation(n_rows)
+            for step in range(per_epoch):
+                rows = order[step * 8 + rank * 4 : step * 8 + rank * 4 + 4]
+                expected = [stream[r * 16 : r * 16 + 16].tolist() for r in rows]
+                assert batches.next().inputs.tolist() == expected
+
+
+@pytest.mark.parametrize("extra", [0, 1, 15, 16, 17])
+def test_concat_rows_at_the_edge_of_the_stream(extra):
+    # a stream of 4T + extra tokens: a row needs T + 1 of them, so a stream of exactly kT + 1 has k rows
+    T = 16
+    stream = np.full(4 * T + extra, 5, dtype=np.uint16)
+    stream[-1] = EOT
+    rows = concat_rows(Documents(stream, EOT), T)
+    assert len(rows) == (len(stream) - 1) // T
+    assert rows.start[-1] + T + 1 <= len(stream)
+
+
+def test_the_evaluation_subset_is_the_whole_documents_that_fit_exactly():
+    from data import leading_documents
+
+    stream = stream_of([3, 4, 5])  # documents end at 3, 7 and 12
+    assert len(leading_documents(stream, EOT, 7)) == 7  # the second ends exactly at the budget: kept
+    assert len(leading_documents(stream, EOT, 6)) == 3  # one token short: left out
+    assert len(leading_documents(stream, EOT, 2)) == 3  # at least the first document
+    assert len(leading_documents(stream, EOT, 0)) == len(leading_documents(stream, EOT, 99)) == 12

@@ -106,3 +106,13 @@ def test_signed_rank_p_is_the_exact_two_sided_tail():
     # ranks 1..5 with rank 2 negative: W- = 2; sign patterns with W- <= 2 are {}, {1}, {2}: twice 3 of 32
     assert stats.signed_rank_p([1, -2, 3, 4, 5], [0] * 5) == pytest.approx(6 / 32)
     assert stats.signed_rank_p([0.1, 0.2], [0.1, 0.2]) == 1.0  # no difference at all
+
+
+def test_equivalence_uses_the_90_percent_interval_where_the_95_percent_one_would_say_otherwise():
+    effect = stats.paired_effect([0.010, 0.016, 0.022, 0.013, 0.019])  # mean 0.016
+    low90, high90 = effect.interval(0.90)
+    low95, high95 = effect.interval(0.95)
+    margin = (high90 + high95) / 2  # between the two upper ends
+    assert high90 < margin < high95
+    assert effect.p_equivalence(margin) < 0.05  # TOST at 5% is the 90% interval inside the margin
+    assert effect.p_equivalence(high90 * 0.999) > 0.05

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, tiny_args
+from conftest import ROOT, rewrite_checkpoint, tiny_args
 
 import train
 from config import Config, ConfigError, parse_config
@@ -101,7 +101,59 @@ def test_help_lists_every_key():
 def test_lr_schedule_warms_up_then_decays_to_min_lr():
     cfg = Config(lr=1.0, min_lr=0.1, warmup_iters=10, max_iters=110)
     assert train.lr_at(0, cfg) == pytest.approx(0.1) and train.lr_at(9, cfg) == pytest.approx(1.0)
+    assert train.lr_at(10, cfg) == 1.0  # the cosine's first step is the peak, never above it
     assert train.lr_at(60, cfg) == pytest.approx(0.55) and train.lr_at(110, cfg) == pytest.approx(0.1)
+
+
+@pytest.mark.slow
+def test_each_step_trains_at_the_learning_rate_of_the_schedule(tiny_corpus, tmp_path):
+    """Step s (counted from 1) uses the schedule's value at s - 1: written out by hand, not with lr_at."""
+    import math
+
+    args = tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", max_iters=7, warmup_iters=3, eval_interval=7)
+    train.train(parse_config(args + ["--lr=0.01", "--min_lr=0.001"]))
+    logged = {r["step"]: r["lr"] for r in metrics(tmp_path / "run") if "lr" in r}
+    expected = {s: 0.01 * s / 3 for s in (1, 2, 3)}
+    expected |= {s: 0.001 + 0.5 * (1 + math.cos(math.pi * (s - 4) / 4)) * 0.009 for s in (4, 5, 6, 7)}
+    assert logged == pytest.approx(expected, rel=1e-12)
+
+
+def test_evaluation_follows_the_runs_packing_and_flags_only_in_val_loss():
+    """val_loss against a hand loop over the concat rows under each setting's rules; val_doc_loss the same
+    for every setting (documents alone, every fix on)."""
+    import numpy as np
+    from conftest import reference_semantics
+
+    from model import GPT, GPTConfig, document_causal_dense
+
+    torch.manual_seed(0)
+    T, eot = 16, 63
+    model = GPT(GPTConfig(vocab_size=64, seq_len=T, n_layer=1, n_head=2, n_embd=16)).eval()
+    rng = np.random.default_rng(3)
+    val = np.concatenate([np.append(rng.integers(0, eot, n), eot) for n in (5, 9, 2, 20, 7, 3)])
+    cpu, fp32 = torch.device("cpu"), torch.autocast("cpu", enabled=False)
+    results = {}
+    for name, settings in {
+        "reference": {},
+        "no_doc_mask": {"doc_mask": False},
+        "no_reset": {"reset_position_ids": False},
+        "no_boundary": {"mask_boundary_loss": False},
+    }.items():
+        cfg = Config(seq_len=T, batch_size=2, **settings)
+        results[name] = train.evaluate(model, model.config, *train.validation_sets(val, eot, cfg), cpu, fp32)
+        total = count = 0.0
+        for start in range(0, len(val) - T, T):  # the concat rows, one at a time
+            x, y = val[start : start + T].tolist(), val[start + 1 : start + T + 1].tolist()
+            docs, positions, masked = reference_semantics(x, y, eot)
+            targets = torch.tensor([masked if cfg.mask_boundary_loss else y])
+            pos = torch.tensor([positions if cfg.reset_position_ids else list(range(T))])
+            mask = document_causal_dense(torch.tensor([docs])) if cfg.doc_mask else None
+            with torch.no_grad():
+                losses = model(torch.tensor([x]), pos, mask, targets)
+            total, count = total + losses.sum().item(), count + (targets != -100).sum().item()
+        assert results[name]["val_loss"] == pytest.approx(total / count, rel=1e-5), name
+    assert len({r["val_loss"] for r in results.values()}) == 4
+    assert len({r["val_doc_loss"] for r in results.values()}) == 1
 
 
 def test_evaluation_keeps_loss_sums_by_document_and_by_position():
@@ -230,9 +282,7 @@ def test_resume_continues_exactly_where_the_run_stopped(tiny_corpus, tmp_path, p
     # the test can fail: without restoring the data position, step 5 trains on other rows
     fresh = tmp_path / "fresh"
     train.train(parse_config(args(fresh, 4)))
-    state = torch.load(fresh / "ckpt.pt", weights_only=False)
-    state["data"]["cursor"] = 0
-    torch.save(state, fresh / "ckpt.pt")
+    rewrite_checkpoint(fresh / "ckpt.pt", lambda state: state["data"].update(cursor=0))
     train.train(parse_config(args(fresh, 8) + ["--resume=true"]))
     assert without_rates(metrics(fresh)) != straight
 
