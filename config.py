@@ -1,5 +1,7 @@
-"""The settings of a run: every key of train.py is a field of `Config`, with its default, help text and
-bounds. Values come from the defaults, then a TOML file, then --key=value arguments, in that order.
+"""The settings of a run: every key of train.py is a field of `Config`, with its default, help text,
+bounds and role (what it decides; whether a resumed run may change it). Values come from the defaults, then
+a TOML file, then --key=value arguments, in that order. Every other script's settings are a dataclass of
+such fields, parsed the same way (script_settings).
 
     cfg = parse_config(["configs/quickstart.toml", "--doc_mask=false"])
     cfg.flags  # the three fixes of packing, as one Flags value for the batches and the model
@@ -7,7 +9,6 @@ bounds. Values come from the defaults, then a TOML file, then --key=value argume
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import json
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from data import Flags
+from files import ConfigError, check_run_files
 
 MAX_SEED = 2**63 - 1  # what torch, numpy and the data hash all take
 
@@ -35,10 +37,15 @@ def setting(
     minimum: float | None = None,
     maximum: float | None = None,
     path: bool = False,
+    decides: str | None = "result",
+    resumable: bool = False,
 ):
     """A dataclass field with its help text and bounds (a list's bounds and choices apply to each item);
-    `path`: a leading ~ is the home folder, wherever the value comes from."""
+    `path`: a leading ~ is the home folder, wherever the value comes from. Its role, declared once here:
+    what it `decides` (the "model", the prepared "data", else the "result"; None: nothing a run's numbers
+    depend on) and whether a resumed run may change it."""
     metadata = {"help": help, "choices": choices, "min": minimum, "max": maximum, "path": path}
+    metadata |= {"decides": decides, "resumable": resumable}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -56,24 +63,35 @@ class Config:
         ".parquet file (one per row), a glob or directory of such files, a text file of documents separated by "
         "<|endoftext|>, or a folder prepared by prepare.py",
         path=True,
+        decides="data",
     )
-    text_field: str = setting("text", "the field (.jsonl) or column (.parquet) that holds each document's text")
+    text_field: str = setting(
+        "text", "the field (.jsonl) or column (.parquet) that holds each document's text", decides="data"
+    )
     data_dir: str = setting(
-        "data", "where prepared shards are kept (one folder per corpus content and tokenizer)", path=True
+        "data",
+        "where prepared shards are kept (one folder per corpus content and tokenizer)",
+        path=True,
+        decides=None,
+        resumable=True,
     )
     tokenizer: str = setting(
         "bpe",
         "'bpe' (train one on the corpus with rustbpe), a tiktoken name such as 'gpt2' "
         "(downloads on first use), or a path to a .tiktoken file",
         path=True,
+        decides="data",
     )
     tokenizer_vocab_size: int = setting(
-        8192, "vocabulary size of a trained 'bpe' tokenizer, EOT included", minimum=257, maximum=65536
+        8192, "vocabulary size of a trained 'bpe' tokenizer, EOT included", minimum=257, maximum=65536, decides="data"
     )
     tokenizer_train_mb: int = setting(
-        100, "a 'bpe' tokenizer trains on a fixed sample of this many million characters of training text", minimum=1
+        100,
+        "a 'bpe' tokenizer trains on a fixed sample of this many million characters of training text",
+        minimum=1,
+        decides="data",
     )
-    val_fraction: float = setting(0.05, "fraction of documents held out for validation", minimum=0.0)
+    val_fraction: float = setting(0.05, "fraction of documents held out for validation", minimum=0.0, decides="data")
     packing: str = setting(
         "concat",
         "'concat': contiguous rows of the document stream (documents cut at row edges); 'bestfit': whole "
@@ -98,19 +116,21 @@ class Config:
         True, "ignore the target predicted from each EOT (the next document's first token)"
     )
     # model
-    pos_emb: str = setting("learned", "position encoding", choices=("learned", "rope"))
-    seq_len: int = setting(256, "tokens per row (the context length)", minimum=2)
-    n_layer: int = setting(4, "transformer blocks", minimum=1)
-    n_head: int = setting(4, "attention heads", minimum=1)
-    n_embd: int = setting(128, "model width", minimum=2)
+    pos_emb: str = setting("learned", "position encoding", choices=("learned", "rope"), decides="model")
+    seq_len: int = setting(256, "tokens per row (the context length)", minimum=2, decides="model")
+    n_layer: int = setting(4, "transformer blocks", minimum=1, decides="model")
+    n_head: int = setting(4, "attention heads", minimum=1, decides="model")
+    n_embd: int = setting(128, "model width", minimum=2, decides="model")
     dropout: float = setting(
-        0.0, "dropout on embeddings and residual branches (attention itself has none)", minimum=0.0
+        0.0, "dropout on embeddings and residual branches (attention itself has none)", minimum=0.0, decides="model"
     )
-    attn_impl: str = setting("auto", "'auto': FlexAttention on CUDA, SDPA elsewhere", choices=("auto", "flex", "sdpa"))
+    attn_impl: str = setting(
+        "auto", "'auto': FlexAttention on CUDA, SDPA elsewhere", choices=("auto", "flex", "sdpa"), decides="model"
+    )
     # optimisation
     batch_size: int = setting(8, "rows per micro-batch", minimum=1)
     grad_accum: int = setting(1, "micro-batches per optimizer step", minimum=1)
-    max_iters: int = setting(600, "optimizer steps", minimum=0)
+    max_iters: int = setting(600, "optimizer steps", minimum=0, resumable=True)
     lr: float = setting(3e-3, "peak learning rate", minimum=0.0, maximum=10.0)
     min_lr: float = setting(3e-4, "learning rate at the end of the cosine decay", minimum=0.0, maximum=10.0)
     warmup_iters: int = setting(60, "linear warmup steps", minimum=0)
@@ -119,21 +139,33 @@ class Config:
     beta2: float = setting(0.99, "AdamW beta2", minimum=0.0)
     grad_clip: float = setting(1.0, "clip the gradient norm to this (0: off)", minimum=0.0)
     # evaluation, logging, checkpoints
-    eval_interval: int = setting(300, "evaluate and checkpoint every this many steps (and at the end)", minimum=1)
+    eval_interval: int = setting(
+        300, "evaluate and checkpoint every this many steps (and at the end)", minimum=1, resumable=True
+    )
     eval_tokens: int = setting(
         -1,
         "validation tokens per evaluation: the whole documents at the start of the (shuffled) validation split "
         "that fit, the same for every run of these settings (0: all; -1: a quarter of the tokens trained between "
         "two evaluations, at least 32,768 and at most 1,000,000)",
         minimum=-1,
+        resumable=True,
     )
-    log_interval: int = setting(20, "print and log training metrics every this many steps", minimum=1)
-    sample_prompt: str = setting("def ", "prompt of the sample printed at the end ('' for none)")
-    sample_tokens: int = setting(80, "tokens in that sample", minimum=0)
-    out_dir: str = setting("out", "where config.json, metrics.jsonl and ckpt.pt are written", path=True)
-    resume: bool = setting(False, "continue from out_dir/ckpt.pt")
+    log_interval: int = setting(
+        20, "print and log training metrics every this many steps", minimum=1, decides=None, resumable=True
+    )
+    sample_prompt: str = setting(
+        "def ", "prompt of the sample printed at the end ('' for none)", decides=None, resumable=True
+    )
+    sample_tokens: int = setting(80, "tokens in that sample", minimum=0, decides=None, resumable=True)
+    out_dir: str = setting(
+        "out", "where config.json, metrics.jsonl and ckpt.pt are written", path=True, decides=None, resumable=True
+    )
+    resume: bool = setting(False, "continue from out_dir/ckpt.pt", decides=None, resumable=True)
     overwrite: bool = setting(
-        False, "start afresh in an out_dir that holds a run, replacing it (without this: refused)"
+        False,
+        "start afresh in an out_dir that holds a run, replacing it (without this: refused)",
+        decides=None,
+        resumable=True,
     )
     seed: int = setting(0, "seed of the model init and the data order", minimum=0, maximum=MAX_SEED)
     data_seed: int = setting(
@@ -141,15 +173,18 @@ class Config:
         "seed of the train/val split, the document order and the tokenizer sample (kept fixed across runs)",
         minimum=0,
         maximum=MAX_SEED,
+        decides="data",
     )
-    device: str = setting("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'")
+    device: str = setting("auto", "'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'", resumable=True)
     dtype: str = setting(
         "auto", "'auto' (bfloat16 autocast on CUDA, float32 elsewhere)", choices=("auto", "float32", "bfloat16")
     )
-    compile: bool = setting(False, "torch.compile the model (CUDA)")
-    wandb: bool = setting(False, "log to Weights & Biases (mode from WANDB_MODE, e.g. offline)")
-    wandb_project: str = setting("packed-gpt", "wandb project")
-    wandb_run_name: str = setting("", "wandb run name ('' for out_dir's name)")
+    compile: bool = setting(False, "torch.compile the model (CUDA)", resumable=True)
+    wandb: bool = setting(
+        False, "log to Weights & Biases (mode from WANDB_MODE, e.g. offline)", decides=None, resumable=True
+    )
+    wandb_project: str = setting("packed-gpt", "wandb project", decides=None, resumable=True)
+    wandb_run_name: str = setting("", "wandb run name ('' for out_dir's name)", decides=None, resumable=True)
 
     @property
     def flags(self) -> Flags:
@@ -160,52 +195,14 @@ class Config:
         )
 
 
-# Keys that may change when resuming: they change neither the model's shape nor the data (max_iters does
-# stretch the learning-rate schedule from the step resumed at).
-RESUMABLE_CHANGES = {
-    "max_iters",
-    "eval_interval",
-    "eval_tokens",
-    "log_interval",
-    "sample_prompt",
-    "sample_tokens",
-    "resume",
-    "overwrite",
-    "device",
-    "compile",
-    "wandb",
-    "wandb_project",
-    "wandb_run_name",
-    "data_dir",
-    "out_dir",
-}
+def fields_where(**role) -> tuple[str, ...]:
+    """The names of Config's fields with this role, e.g. fields_where(resumable=True)."""
+    return tuple(f.name for f in dataclasses.fields(Config) if all(f.metadata[k] == v for k, v in role.items()))
 
 
-class ConfigError(Exception):
-    """Bad settings; printed as one line."""
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse for the other scripts, with train.py's conventions: a bad argument is one line `error: ...`,
-    values come as --key=value (--key value is refused with that hint), and a leading ~ in a path is the
-    home folder (type=expanded_path)."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
-
-    def parse_args(self, args=None, namespace=None):
-        for arg in sys.argv[1:] if args is None else args:
-            if arg.startswith("--") and "=" not in arg and arg != "--help":
-                self.error(f"bad argument {arg!r}: use --key=value")
-        return super().parse_args(args, namespace)
-
-    def error(self, message: str):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def expanded_path(value: str) -> str:
-    return os.path.expanduser(value)
+RESUMABLE = set(fields_where(resumable=True))  # they change neither the model's shape nor the data
+NOT_DECIDING = set(fields_where(decides=None))  # they cannot change a run's numbers
+DATA_SETTINGS = fields_where(decides="data")  # what a preparation depends on
 
 
 class Interrupted(KeyboardInterrupt):
@@ -296,6 +293,20 @@ def _coerce(name: str, value, kind: str):
     raise ConfigError(f"{name}={value!r}: expected {kind}")
 
 
+def script_settings(cls: type, argv: list[str], usage: str, command: str):
+    """Another script's settings: --key=value arguments for the fields of dataclass `cls`, checked like
+    Config's. --help prints them; a bad argument is one line `error: ...` and exit 2."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text(usage, cls=cls))
+        sys.exit(0)
+    try:
+        return settings_from(cls, command_line_values(argv), f"{command} --help")
+    except ConfigError as e:
+        named = any(str(e).startswith(f"{f.name}=") for f in dataclasses.fields(cls))
+        print(f"error: {'--' if named else ''}{e}", file=sys.stderr)  # as it was typed: --key=value
+        sys.exit(2)
+
+
 def settings_from(cls: type, values: dict, help_command: str):
     """An instance of the settings dataclass `cls` from raw values (TOML or command-line text), each of its
     field's type and within its bounds; an unknown key is refused with the closest valid one."""
@@ -314,12 +325,12 @@ def settings_from(cls: type, values: dict, help_command: str):
     return settings
 
 
-def command_line_values(argv: list[str]) -> dict:
+def command_line_values(argv: list[str], hint: str = "") -> dict:
     """{key: text} from --key=value arguments."""
     values = {}
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
-            raise ConfigError(f"bad argument {arg!r}: use --key=value (a config file may come first)")
+            raise ConfigError(f"bad argument {arg!r}: use --key=value{hint}")
         key, value = arg[2:].split("=", 1)
         values[key] = value
     return values
@@ -327,12 +338,12 @@ def command_line_values(argv: list[str]) -> dict:
 
 def parse_config(argv: list[str]) -> Config:
     """A checked Config from [CONFIG.toml] [--key=value ...]. With resume=true the run's saved settings
-    (out_dir/config.json) come first, and the given ones may change only what RESUMABLE_CHANGES allows."""
+    (out_dir/config.json) come first, and the given ones may change only what RESUMABLE allows."""
     values: dict = {}
     if argv and not argv[0].startswith("--"):
         values.update(read_config_file(Path(os.path.expanduser(argv[0]))))
         argv = argv[1:]
-    values.update(command_line_values(argv))
+    values.update(command_line_values(argv, " (a config file may come first)"))
     given = settings_from(Config, values, "python train.py --help")
     if given.resume:
         values = {**saved_settings(given, values), **values}
@@ -364,26 +375,14 @@ def saved_settings(given: Config, values: dict) -> dict:
     fields = {f.name for f in dataclasses.fields(Config)}
     # the folder is where the run is now (it may have moved), and resuming is not overwriting
     saved = {k: v for k, v in saved.items() if k in fields and k not in ("resume", "overwrite", "out_dir")}
-    changed = [k for k in values if k not in RESUMABLE_CHANGES and k in saved and getattr(given, k) != saved[k]]
+    changed = [k for k in values if k not in RESUMABLE and k in saved and getattr(given, k) != saved[k]]
     if changed:
         detail = ", ".join(f"{k}: {saved[k]!r} -> {getattr(given, k)!r}" for k in changed)
         raise ConfigError(
             f"cannot resume {given.out_dir} with other settings ({detail}); when resuming only "
-            f"{', '.join(sorted(RESUMABLE_CHANGES - {'resume', 'overwrite'}))} may change"
+            f"{', '.join(sorted(RESUMABLE - {'resume', 'overwrite'}))} may change"
         )
     return saved
-
-
-RUN_FILES = {"ckpt.pt": "checkpoint", "config.json": "settings file", "metrics.jsonl": "metrics log"}
-
-
-def check_run_files(out_dir: Path) -> None:
-    """Each of a run's files, where it exists, is a regular file: one line, the same in every mode, for a
-    folder (or anything else) where one belongs."""
-    for name, what in RUN_FILES.items():
-        path = out_dir / name
-        if path.exists() and not path.is_file():
-            raise ConfigError(f"{path} is not a file, where the run's {what} belongs: move it away")
 
 
 def read_config_file(path: Path) -> dict:

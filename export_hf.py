@@ -21,15 +21,17 @@ import json
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import tiktoken
 import torch
 
-import run_folder
-from config import ArgumentParser, Config, ConfigError, expanded_path, run_main
-from data import BOS_TEXT, EOT_TEXT, DataError, document_opening
+import checkpoints
+from config import Config, ConfigError, run_main, script_settings, setting
+from data import DataError
 from model import GPT
+from shards import BOS_TEXT, EOT_TEXT, document_opening
 
 LOGIT_TOLERANCE = 1e-4  # max |difference| of fp32 logits that the check accepts
 
@@ -244,7 +246,7 @@ def model_card(state: dict, out_dir: Path, config: dict) -> str:
 
 def export(out_dir: Path, to: Path, overwrite: bool = False) -> dict:
     """Write the Hugging Face folder `to` for the run in `out_dir`, check it, and return the check's figures."""
-    state = run_folder.read_checkpoint(out_dir / "ckpt.pt")
+    state = checkpoints.read_checkpoint(out_dir / "ckpt.pt")
     pos_emb = state["model_config"].get("pos_emb")
     if pos_emb not in MAPPINGS:
         raise ExportError(f"{out_dir}: a model with pos_emb={pos_emb!r} has no Hugging Face mapping here")
@@ -257,8 +259,8 @@ def export(out_dir: Path, to: Path, overwrite: bool = False) -> dict:
         raise ExportError(f"{to} exists: give another --to, or --overwrite=true to replace it")
     if to.exists() and not ((to / "config.json").is_file() and (to / "model.safetensors").is_file()):
         raise ExportError(f"{to} exists and is not an exported model folder: --overwrite=true replaces only those")
-    model = run_folder.trained_model(state, torch.device("cpu"), attn_impl="sdpa").float()
-    enc = run_folder.checkpoint_tokenizer(state)
+    model = checkpoints.trained_model(state, torch.device("cpu"), attn_impl="sdpa").float()
+    enc = checkpoints.checkpoint_tokenizer(state)
     config, weights = MAPPINGS[pos_emb](model)
     bos_id = enc.encode_single_token(BOS_TEXT) if BOS_TEXT in enc.special_tokens_set else enc.eot_token
     config.update(bos_token_id=bos_id, eos_token_id=enc.eot_token, dtype="float32")
@@ -323,7 +325,8 @@ def check(folder: Path, model: GPT, enc: tiktoken.Encoding, state: dict, lengths
 def validation_texts(state: dict, enc: tiktoken.Encoding, n: int = 64) -> list[str]:
     """Up to n validation documents of the run (when its shards are still there), and texts that
     tokenizers get wrong first: unicode, runs of whitespace, the literal end-of-text text."""
-    from data import document_bounds, load_shards
+    from data import document_bounds
+    from shards import load_shards
 
     texts = [
         "def f(x):\n    return x  # ünïcödé, 日本語, emoji 🙂\n\n\n\t\t  trailing   ",
@@ -339,15 +342,21 @@ def validation_texts(state: dict, enc: tiktoken.Encoding, n: int = 64) -> list[s
     return texts + [enc.decode(val[s : e - 1].tolist()) for s, e in list(zip(starts, ends))[:n]]
 
 
+@dataclass
+class ExportSettings:
+    out_dir: str = setting("out", "the run's folder (holds ckpt.pt)", path=True)
+    to: str = setting("", "the Hugging Face folder to write (required)", path=True)
+    overwrite: bool = setting(False, "replace --to if it is an earlier export")
+
+
 def main(argv: list[str]) -> int:
-    parser = ArgumentParser(description=__doc__)
-    parser.add_argument("--out_dir", default="out", type=expanded_path, help="the run's folder (holds ckpt.pt)")
-    parser.add_argument("--to", required=True, type=expanded_path, help="the Hugging Face folder to write")
-    parser.add_argument("--overwrite", default="false", choices=("true", "false"), help="replace --to if it exists")
-    args = parser.parse_args(argv)
+    args = script_settings(ExportSettings, argv, __doc__, "python export_hf.py")
+    if not args.to.strip():
+        print("error: give the folder to write as --to=FOLDER", file=sys.stderr)
+        return 2
     t0 = time.time()
     try:
-        checked = export(Path(args.out_dir), Path(args.to), args.overwrite == "true")
+        checked = export(Path(args.out_dir), Path(args.to), args.overwrite)
     except (ConfigError, DataError, ExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

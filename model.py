@@ -38,6 +38,8 @@ class GPTConfig:
     pos_emb: str = "learned"  # "learned" | "rope"
     rope_base: float = 10000.0
     attn_impl: str = "auto"  # "auto" (flex on CUDA, sdpa elsewhere) | "flex" | "sdpa"
+    flex_mask: str = "by_ids"  # the FlexAttention mask function (FLEX_MASK_FUNCTIONS): both are timed by bench
+    flex_kernel_options: dict | None = None  # FlexAttention's kernel_options on CUDA (None: PyTorch's defaults)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,18 +82,18 @@ def document_causal_by_position(doc_ids: torch.Tensor):
     return document_causal
 
 
-# The mask function FlexAttention evaluates on every score of a partial tile: the one timed on an H200
-# (results/bench_gpu_h200). `python -m studies.bench` times both, as variants flex_doc (this one) and
-# flex_doc_by_position; make the other the default only where it is measured faster.
-FLEX_MASK_FUNCTION = document_causal_by_ids
+# The mask functions FlexAttention can evaluate on every score of a partial tile. by_ids is the default,
+# the one timed on an H200 (results/bench_gpu_h200); `python -m studies.bench` times both (variants flex_doc
+# and flex_doc_by_position): make the other the default only where it is measured faster.
+FLEX_MASK_FUNCTIONS = {"by_ids": document_causal_by_ids, "by_position": document_causal_by_position}
 
 
-def document_causal_block_mask(doc_ids: torch.Tensor, mask_function=None) -> BlockMask:
+def document_causal_block_mask(doc_ids: torch.Tensor, mask_function=document_causal_by_ids) -> BlockMask:
     """The dense mask's FlexAttention BlockMask. B is the batch size: with B=None a batch-dependent mask
     is silently wrong in the compiled kernel."""
     B, T = doc_ids.shape
     build = compiled_create_block_mask if doc_ids.is_cuda else create_block_mask
-    mask_mod = (mask_function or FLEX_MASK_FUNCTION)(doc_ids)
+    mask_mod = mask_function(doc_ids)
     return build(mask_mod, B=B, H=None, Q_LEN=T, KV_LEN=T, device=doc_ids.device)
 
 
@@ -103,10 +105,6 @@ compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
 AttentionMask = BlockMask | torch.Tensor | None
 
-# FlexAttention kernel_options on CUDA. Empty: PyTorch's defaults, which none of the settings timed on an
-# H200 beat (README, experiment log). `python -m studies.bench --flex_kernel_options=...` times others.
-FLEX_KERNEL_OPTIONS: dict = {}
-
 
 def attention_impl(doc_mask: bool, attn_impl: str, device: torch.device) -> str:
     """'flex' or 'sdpa': the one place that decides. The document mask is a FlexAttention BlockMask on
@@ -117,22 +115,24 @@ def attention_impl(doc_mask: bool, attn_impl: str, device: torch.device) -> str:
     return "sdpa"
 
 
-def attention_mask(doc_ids: torch.Tensor, doc_mask: bool, attn_impl: str = "auto") -> AttentionMask:
+def attention_mask(
+    doc_ids: torch.Tensor, doc_mask: bool, attn_impl: str = "auto", flex_mask: str = "by_ids"
+) -> AttentionMask:
     """The doc_mask flag: its whole effect is this function. Call it once per batch, outside the
     compiled model, and pass the result to GPT.forward."""
     if not doc_mask:
         return None
     if attention_impl(doc_mask, attn_impl, doc_ids.device) == "flex":
-        return document_causal_block_mask(doc_ids)
+        return document_causal_block_mask(doc_ids, FLEX_MASK_FUNCTIONS[flex_mask])
     return document_causal_dense(doc_ids)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, kernel_options=None) -> torch.Tensor:
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if isinstance(mask, BlockMask):
-        options = FLEX_KERNEL_OPTIONS if q.is_cuda else None
         # compiled even in an eager model: eager flex is only a slow reference (inlined in a compiled model)
+        options = kernel_options if q.is_cuda else None
         return compiled_flex_attention(q, k, v, block_mask=mask, kernel_options=options)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
@@ -161,7 +161,7 @@ def apply_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.n_head, self.n_embd, self.kernel_options = config.n_head, config.n_embd, config.flex_kernel_options
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -174,7 +174,8 @@ class CausalSelfAttention(nn.Module):
             # rotated in the (B, T, H, D) layout, q and k in one call: the attention output takes the
             # query's memory layout, so the transpose back to (B, T, C) below stays a view, not a copy
             q, k = apply_rope(qkv[:, :, :2], *rope).unbind(2)
-        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2).reshape(B, T, C)
+        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.kernel_options)
+        y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.proj(y))
 
 
@@ -241,7 +242,7 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Token ids and position ids are (B, T); `mask` comes from `attention_mask`. Returns the logits
         (B, T, vocab), or, given targets (B, T), each token's cross-entropy in float32 (B, T), 0 where the
-        target is -100 (ignored)."""
+        target is cross_entropy's ignore_index (data.IGNORE_INDEX)."""
         if idx.shape[1] > self.config.seq_len:
             raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than seq_len {self.config.seq_len}")
         x = self.wte(idx)
@@ -256,7 +257,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
-        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none")
+        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
         return losses.view_as(targets)
 
     @torch.no_grad()

@@ -28,24 +28,16 @@ from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import tiktoken
 
-from config import Config, ConfigError
+from config import DATA_SETTINGS, Config
 from corpora import Source, describe_changes, file_kind, fingerprint, label, read_documents, resolve_dataset
-from data import (
-    EOT_TEXT,
-    SHARD_FORMAT_VERSION,
-    DataError,
-    is_prepared_folder,
-    load_shards,
-    read_tiktoken,
-    tiktoken_encoding,
-)
-from run_folder import check_writable_folder, exclusive_lock, format_duration
+from data import DataError
+from files import ConfigError, Progress, check_writable_folder, exclusive_lock
+from shards import EOT_TEXT, SHARD_FORMAT_VERSION, is_prepared_folder, load_shards, read_tiktoken, tiktoken_encoding
 
 SHARD_TOKENS = 100_000_000  # tokens per shard file at most (200 MB of uint16)
 
@@ -113,43 +105,18 @@ def load_named_tokenizer(tokenizer: str) -> tiktoken.Encoding:
 # Preparation
 
 
-class Progress:
-    """One status line of a long phase: rewritten in place on a terminal, printed every `every` seconds
-    otherwise (logs). Rates and ETA from the bytes read of the total."""
+def preparation_progress(phase: str, total_bytes: int, log: Callable, every: float = 30.0) -> Progress:
+    """One status line of a long phase, by the bytes read: share done, GB, documents and tokens per second,
+    ETA. Advance it with the bytes read (and documents=, tokens=)."""
 
-    def __init__(self, phase: str, total_bytes: int, log: Callable, every: float = 30.0) -> None:
-        self.phase, self.total, self.log = phase, max(1, total_bytes), log
-        self.tty = log is print and sys.stdout.isatty()
-        self.every = 0.5 if self.tty else every
-        self.start = self.last = time.time()
-        self.bytes = self.documents = self.tokens = 0
-
-    def update(self, n_bytes: int = 0, documents: int = 0, tokens: int = 0) -> None:
-        self.bytes += n_bytes
-        self.documents += documents
-        self.tokens += tokens
-        if time.time() - self.last >= self.every:
-            self._show()
-
-    def _show(self) -> None:
-        self.last = now = time.time()
-        elapsed = max(now - self.start, 1e-9)
-        fraction = min(1.0, self.bytes / self.total)
-        eta = elapsed / fraction * (1 - fraction) if fraction > 0 else float("nan")
-        line = (
-            f"data: {self.phase} {fraction:6.1%} | {self.bytes / 1e9:.2f} of {self.total / 1e9:.2f} GB | "
-            f"{self.documents / elapsed:,.0f} docs/s"
-            + (f" | {self.tokens / elapsed / 1e6:.2f}M tok/s" if self.tokens else "")
-            + (f" | ETA {format_duration(eta)}" if math.isfinite(eta) else "")
+    def show(p: Progress) -> str:
+        tokens = f" | {p.rate('tokens') / 1e6:.2f}M tok/s" if p.counts["tokens"] else ""
+        return (
+            f"data: {phase} {min(1.0, p.done / p.total):6.1%} | {p.done / 1e9:.2f} of {p.total / 1e9:.2f} GB | "
+            f"{p.rate('documents'):,.0f} docs/s{tokens} | ETA {p.eta()}"
         )
-        if self.tty:
-            print(f"\r{line}\033[K", end="", flush=True)
-        else:
-            self.log(line)
 
-    def close(self) -> None:
-        if self.tty and self.last > self.start:
-            print("\r\033[K", end="", flush=True)
+    return Progress(max(1, total_bytes), show, log, every)
 
 
 def _document_key(text: str, seed: int) -> tuple[str, int, float]:
@@ -165,40 +132,31 @@ def _document_key(text: str, seed: int) -> tuple[str, int, float]:
     return text, int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little") / 2**64
 
 
-@dataclass(frozen=True)
-class PrepareSettings:
-    """Everything besides the corpus that decides the shards' content."""
-
-    tokenizer: str = "bpe"
-    vocab_size: int = 8192
-    val_fraction: float = 0.05
-    seed: int = 1337
-    text_field: str = "text"
-    tokenizer_train_mb: int = 100
-
-    def deciding(self) -> dict:
-        """The settings that decide the shards' content, as hashed into the folder's name and kept in meta.json."""
-        key = {"val_fraction": self.val_fraction, "seed": self.seed, "text_field": self.text_field}
-        if self.tokenizer == "bpe":
-            key.update(tokenizer="bpe", vocab_size=self.vocab_size, tokenizer_train_mb=self.tokenizer_train_mb)
-        elif self.tokenizer.endswith(".tiktoken") and Path(self.tokenizer).is_file():
-            key.update(tokenizer=hashlib.sha256(Path(self.tokenizer).read_bytes()).hexdigest())
-        else:
-            key.update(tokenizer=self.tokenizer)
-        return key
+def deciding(settings: Config) -> dict:
+    """The settings that decide the shards' content, as hashed into the folder's name and kept in meta.json
+    (under the names they have always had there, so that folders prepared before are found again)."""
+    key = {"val_fraction": settings.val_fraction, "seed": settings.data_seed, "text_field": settings.text_field}
+    if settings.tokenizer == "bpe":
+        key.update(tokenizer="bpe", vocab_size=settings.tokenizer_vocab_size)
+        key.update(tokenizer_train_mb=settings.tokenizer_train_mb)
+    elif settings.tokenizer.endswith(".tiktoken") and Path(settings.tokenizer).is_file():
+        key.update(tokenizer=hashlib.sha256(Path(settings.tokenizer).read_bytes()).hexdigest())
+    else:
+        key.update(tokenizer=settings.tokenizer)
+    return key
 
 
-def shard_dir_for(data_dir: str, source: Source, settings: PrepareSettings, inputs: list[list]) -> Path:
+def shard_dir_for(data_dir: str, source: Source, settings: Config, inputs: list[list]) -> Path:
     """Readable, and unique to the corpus content and the settings that decide the shards."""
-    key = json.dumps([settings.deciding(), source.builtin, source.single_file, inputs, SHARD_FORMAT_VERSION])
-    tok = f"bpe{settings.vocab_size}" if settings.tokenizer == "bpe" else label(Path(settings.tokenizer).stem)
+    key = json.dumps([deciding(settings), source.builtin, source.single_file, inputs, SHARD_FORMAT_VERSION])
+    tok = f"bpe{settings.tokenizer_vocab_size}" if settings.tokenizer == "bpe" else label(Path(settings.tokenizer).stem)
     return Path(data_dir) / f"{source.label}-{tok}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
 
 def prepare(
     dataset: str,
     data_dir: str,
-    settings: PrepareSettings = PrepareSettings(),
+    settings: Config | None = None,
     exclude: tuple[Path, ...] = (),
     log: Callable = print,
 ) -> Path:
@@ -206,7 +164,9 @@ def prepare(
 
     Safe to run from several processes at once (they share one preparation) and to interrupt (the
     shards are written to a temporary folder that is renamed when complete). `exclude`: folders not to
-    read when the dataset is a folder holding them (the run's own outputs)."""
+    read when the dataset is a folder holding them (the run's own outputs). `settings`: the data settings
+    (Config's, DATA_SETTINGS)."""
+    settings = settings or Config()
     if is_prepared_folder(dataset):
         return Path(dataset)
     source = resolve_dataset(dataset, exclude)
@@ -241,36 +201,36 @@ def prepare(
     return out
 
 
-def _prepared_already(out: Path, settings: PrepareSettings) -> Path | None:
+def _prepared_already(out: Path, settings: Config) -> Path | None:
     """These shards' folder if it is complete: named as `out`, or, for a trained tokenizer that came out
     smaller than asked, by its real size (the hash at the end is the same)."""
     candidates = [out]
     if settings.tokenizer == "bpe":
-        label, digest = out.name.rsplit(f"-bpe{settings.vocab_size}-", 1)
+        label, digest = out.name.rsplit(f"-bpe{settings.tokenizer_vocab_size}-", 1)
         candidates += sorted(out.parent.glob(f"{label}-bpe*-{digest}"))
     return next((folder for folder in candidates if (folder / "meta.json").exists()), None)
 
 
-def _named_by_real_vocabulary(out: Path, settings: PrepareSettings, meta: dict, log) -> Path:
+def _named_by_real_vocabulary(out: Path, settings: Config, meta: dict, log) -> Path:
     """A trained tokenizer smaller than asked (a corpus too small for that many merges) says so, and its
     folder is named by its real size."""
-    if settings.tokenizer != "bpe" or meta["vocab_size"] == settings.vocab_size:
+    if settings.tokenizer != "bpe" or meta["vocab_size"] == settings.tokenizer_vocab_size:
         return out
     log(
         f"data: the corpus gave a tokenizer of only {meta['vocab_size']:,} tokens, not the "
-        f"tokenizer_vocab_size={settings.vocab_size:,} asked (too little text for more merges)"
+        f"tokenizer_vocab_size={settings.tokenizer_vocab_size:,} asked (too little text for more merges)"
     )
-    label, digest = out.name.rsplit(f"-bpe{settings.vocab_size}-", 1)
+    label, digest = out.name.rsplit(f"-bpe{settings.tokenizer_vocab_size}-", 1)
     return out.with_name(f"{label}-bpe{meta['vocab_size']}-{digest}")
 
 
-def _report_stale(data_dir: Path, source: Source, settings: PrepareSettings, inputs: list[list], log) -> None:
+def _report_stale(data_dir: Path, source: Source, settings: Config, inputs: list[list], log) -> None:
     """One line when this dataset was prepared before with other content: what changed."""
     earlier = []
     for meta_path in data_dir.glob("*/meta.json"):
         try:  # a damaged earlier folder only means there is nothing to compare with
             meta = json.loads(meta_path.read_text())
-            if meta.get("source") == source.identity and meta.get("settings") == settings.deciding():
+            if meta.get("source") == source.identity and meta.get("settings") == deciding(settings):
                 old_inputs = json.loads((meta_path.parent / "inputs.json").read_text())
                 earlier.append((meta.get("prepared_at", 0), str(meta_path.parent), old_inputs))
         except (OSError, ValueError, AttributeError):
@@ -283,7 +243,7 @@ def _report_stale(data_dir: Path, source: Source, settings: PrepareSettings, inp
         )
 
 
-def _prepare_into(out: Path, dataset: str, source: Source, settings: PrepareSettings, inputs: list[list], log) -> dict:
+def _prepare_into(out: Path, dataset: str, source: Source, settings: Config, inputs: list[list], log) -> dict:
     seconds = {"start": time.time()}
     total_bytes = sum(p[1] for p in inputs)
     if settings.tokenizer == "bpe":
@@ -294,7 +254,7 @@ def _prepare_into(out: Path, dataset: str, source: Source, settings: PrepareSett
                 if not any(True for _ in read_documents(source, settings.text_field))
                 else f"val_fraction={settings.val_fraction} leaves no training documents to train the tokenizer on"
             )
-        enc = train_bpe(sample, settings.vocab_size)
+        enc = train_bpe(sample, settings.tokenizer_vocab_size)
         trained_on = {"documents": len(sample), "characters": sum(map(len, sample))}
         log(
             f"data: trained tokenizer {enc.name} on {trained_on['documents']:,} documents "
@@ -331,7 +291,7 @@ def _prepare_into(out: Path, dataset: str, source: Source, settings: PrepareSett
         "format_version": SHARD_FORMAT_VERSION,
         "dataset": dataset,
         "source": source.identity,
-        "settings": settings.deciding(),
+        "settings": deciding(settings),
         "tokenizer": settings.tokenizer,
         "tokenizer_name": enc.name,
         "tokenizer_trained_on": trained_on,
@@ -340,7 +300,7 @@ def _prepare_into(out: Path, dataset: str, source: Source, settings: PrepareSett
         "vocab_size": enc.n_vocab,
         "eot_id": enc.eot_token,
         "val_fraction": settings.val_fraction,
-        "seed": settings.seed,
+        "seed": settings.data_seed,
         "dtype": dtype.name,
         "skipped": {why: n for why, n in sorted(skipped.items()) if n},
         "skipped_files": skipped_files,
@@ -356,17 +316,17 @@ def _prepare_into(out: Path, dataset: str, source: Source, settings: PrepareSett
     return meta
 
 
-def _tokenizer_sample(source: Source, settings: PrepareSettings, total_bytes: int, log) -> list[str]:
+def _tokenizer_sample(source: Source, settings: Config, total_bytes: int, log) -> list[str]:
     """A deterministic sample of the training documents for the BPE: those with the smallest order keys
     (a uniform draw over the whole corpus) up to tokenizer_train_mb million characters, in key order."""
     budget = settings.tokenizer_train_mb * 1_000_000
     heap: list[tuple[int, str]] = []  # (-key, text): the largest key sits on top, ready to be dropped
     in_sample: set[int] = set()
     chars = 0
-    progress = Progress("tokenizer sample", total_bytes, log)
-    for text in read_documents(source, settings.text_field, Counter(), lambda n: progress.update(n_bytes=n)):
-        progress.update(documents=1)
-        text, key, draw = _document_key(text, settings.seed)
+    progress = preparation_progress("tokenizer sample", total_bytes, log)
+    for text in read_documents(source, settings.text_field, Counter(), lambda n: progress.advance(n)):
+        progress.advance(documents=1)
+        text, key, draw = _document_key(text, settings.data_seed)
         if draw < settings.val_fraction or key in in_sample or (chars >= budget and key > -heap[0][0]):
             continue
         heapq.heappush(heap, (-key, text))
@@ -402,7 +362,7 @@ INDEX_DTYPE = np.dtype([("key", "<u8"), ("length", "<u8")])
 def _encode_into_buckets(
     folder: Path,
     source: Source,
-    settings: PrepareSettings,
+    settings: Config,
     enc,
     dtype,
     total_bytes: int,
@@ -440,25 +400,25 @@ def _encode_into_buckets(
             bucket[1].append(key)
             bucket[2].append(length)
         buffered += tokens.nbytes
-        progress.update(tokens=int(lengths.sum()))
+        progress.advance(tokens=int(lengths.sum()))
         if buffered >= FLUSH_BYTES:
             flush()
 
     threads = os.cpu_count() or 1
-    progress = Progress("encoding", total_bytes, log)
+    progress = preparation_progress("encoding", total_bytes, log)
     in_flight: deque = deque()
     batch: list[str] = []
     batch_keys: list[tuple[int, bool]] = []
     batch_chars = 0
     with ThreadPoolExecutor(threads) as pool:
         try:
-            on_bytes = lambda n: progress.update(n_bytes=n)  # noqa: E731
+            on_bytes = lambda n: progress.advance(n)  # noqa: E731
             for text in read_documents(source, settings.text_field, skipped[0], on_bytes, skipped[1]):
-                text, key, draw = _document_key(text, settings.seed)
+                text, key, draw = _document_key(text, settings.data_seed)
                 batch.append(text)
                 batch_keys.append((key, draw < settings.val_fraction))
                 batch_chars += len(text)
-                progress.update(documents=1)
+                progress.advance(documents=1)
                 if batch_chars >= 1 << 20 or len(batch) >= 4096:
                     in_flight.append((batch_keys, pool.submit(_encode_batch, enc, batch, dtype)))
                     batch, batch_keys, batch_chars = [], [], 0
@@ -483,7 +443,7 @@ def _write_shards(out: Path, n_buckets: int, dtype, skipped: Counter, log) -> di
     numbered shards. Keys were drawn uniformly, so the stream is a seeded shuffle of the documents."""
     splits = {}
     folder = out / "buckets"
-    progress = Progress("shuffling into shards", sum(p.stat().st_size for p in folder.iterdir()), log)
+    progress = preparation_progress("shuffling into shards", sum(p.stat().st_size for p in folder.iterdir()), log)
     for split in ("train", "val"):
         shards: list[dict] = []
         current, current_tokens, documents = None, 0, 0
@@ -494,7 +454,7 @@ def _write_shards(out: Path, n_buckets: int, dtype, skipped: Counter, log) -> di
                     continue
                 index = np.fromfile(index_path, dtype=INDEX_DTYPE)
                 tokens = np.fromfile(folder / f"{split}_{bucket:05d}.tokens", dtype=dtype)
-                progress.update(n_bytes=index.nbytes + tokens.nbytes, documents=len(index))
+                progress.advance(index.nbytes + tokens.nbytes, documents=len(index))
                 order = np.argsort(index["key"], kind="stable")
                 keys = index["key"][order]
                 keep = order[np.r_[True, keys[1:] != keys[:-1]]]
@@ -561,62 +521,12 @@ def describe(meta: dict) -> list[str]:
 # python prepare.py DATASET [--key=value ...]: prepare without training
 
 
-DATA_KEYS = (
-    "dataset",
-    "data_dir",
-    "tokenizer",
-    "tokenizer_vocab_size",
-    "val_fraction",
-    "data_seed",
-    "text_field",
-    "tokenizer_train_mb",
-)
+DATA_KEYS = ("dataset", "data_dir", *(key for key in DATA_SETTINGS if key != "dataset"))  # what prepare.py takes
 
 
 def prepare_for(cfg: Config, log=print) -> Path:
-    """A run's shards, prepared first if needed (the run's own folders are never read as corpus). A prepared
-    folder given as the dataset decides the data settings (adopt_prepared_settings)."""
-    if is_prepared_folder(cfg.dataset):
-        adopt_prepared_settings(cfg, Path(cfg.dataset), log)
-        return Path(cfg.dataset)
-    settings = PrepareSettings(
-        tokenizer=cfg.tokenizer,
-        vocab_size=cfg.tokenizer_vocab_size,
-        val_fraction=cfg.val_fraction,
-        seed=cfg.data_seed,
-        text_field=cfg.text_field,
-        tokenizer_train_mb=cfg.tokenizer_train_mb,
-    )
-    return prepare(cfg.dataset, cfg.data_dir, settings, exclude=(Path(cfg.data_dir), Path(cfg.out_dir)), log=log)
-
-
-def adopt_prepared_settings(cfg: Config, folder: Path, log=print) -> None:
-    """The data settings a prepared folder was made with become the run's, so that config.json records what
-    the run used; a setting given otherwise (not its default) contradicts the data and is refused."""
-    meta = load_shards(folder).meta
-    made = meta["settings"]
-    asked = PrepareSettings(tokenizer=cfg.tokenizer).deciding()["tokenizer"]
-    used = {
-        "tokenizer": cfg.tokenizer if asked == made["tokenizer"] else meta["tokenizer"],
-        "tokenizer_vocab_size": made.get("vocab_size", cfg.tokenizer_vocab_size),
-        "tokenizer_train_mb": made.get("tokenizer_train_mb", cfg.tokenizer_train_mb),
-        "val_fraction": made["val_fraction"],
-        "data_seed": made["seed"],
-        "text_field": made["text_field"],
-    }
-    defaults, adopted = Config(), []
-    for key, value in used.items():
-        if getattr(cfg, key) == value:
-            continue
-        if getattr(cfg, key) != getattr(defaults, key):
-            raise ConfigError(
-                f"{key}={getattr(cfg, key)!r}, but {folder} was prepared with {key}={value!r}: drop the setting to "
-                "train on that folder, or give the corpus itself to prepare it with yours"
-            )
-        setattr(cfg, key, value)
-        adopted.append(f"{key}={value!r}")
-    if adopted:
-        log(f"data: {folder} was prepared with {', '.join(adopted)}; the run uses (and records) those")
+    """A run's shards, prepared first if needed (the run's own folders are never read as corpus)."""
+    return prepare(cfg.dataset, cfg.data_dir, cfg, exclude=(Path(cfg.data_dir), Path(cfg.out_dir)), log=log)
 
 
 def main(argv: list[str]) -> int:

@@ -8,43 +8,35 @@ The checkpoint holds its tokenizer, so a run folder works from any working folde
 
 from __future__ import annotations
 
-import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-import run_folder
-from config import MAX_SEED, ArgumentParser, ConfigError, expanded_path, resolve_device, run_main
-from data import DataError, decoded, document_opening
+import checkpoints
+from config import MAX_SEED, ConfigError, resolve_device, run_main, script_settings, setting
+from data import DataError
+from shards import decoded, document_opening
+
+
+@dataclass
+class SampleSettings:
+    out_dir: str = setting("out", "the training run's folder (holds ckpt.pt)", path=True)
+    prompt: str = setting("def ", "text the samples continue; each starts a new document (after its BOS)")
+    num_samples: int = setting(1, "how many samples to print", minimum=1)
+    max_new_tokens: int = setting(200, "stop after this many tokens (or at EOT)", minimum=0)
+    temperature: float = setting(0.8, "0 is greedy; higher is more random", minimum=0.0)
+    top_k: int = setting(50, "sample among the k most likely tokens (0: all)", minimum=0)
+    seed: int = setting(0, "random seed of the sampling", minimum=0, maximum=MAX_SEED)
+    device: str = setting("cpu", "cpu, cuda or cuda:N")
 
 
 def main(argv: list[str]) -> int:
-    parser = ArgumentParser(description=__doc__)
-    parser.add_argument(
-        "--out_dir", default="out", type=expanded_path, help="the training run's folder (holds ckpt.pt)"
-    )
-    parser.add_argument(
-        "--prompt", default="def ", help="text the samples continue; each starts a new document (after its BOS)"
-    )
-    parser.add_argument("--num_samples", type=int, default=1, help="how many samples to print")
-    parser.add_argument("--max_new_tokens", type=int, default=200, help="stop after this many tokens (or at EOT)")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy; higher is more random")
-    parser.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    args = parser.parse_args(argv)
-    for name, minimum in (("num_samples", 1), ("max_new_tokens", 0), ("top_k", 0), ("seed", 0)):
-        if getattr(args, name) < minimum:
-            parser.error(f"--{name}={getattr(args, name)}: must be at least {minimum}")
-    if args.seed > MAX_SEED:
-        parser.error(f"--seed={args.seed}: must be at most {MAX_SEED}")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        parser.error(f"--temperature={args.temperature}: must be a finite number, at least 0")
-
+    args = script_settings(SampleSettings, argv, __doc__, "python sample.py")
     try:
         device = resolve_device(args.device)
-        model, enc, state = run_folder.load_run(Path(args.out_dir), device, attn_impl="sdpa")  # one document: no mask
+        model, enc, state = checkpoints.load_run(Path(args.out_dir), device, attn_impl="sdpa")  # one document: no mask
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -6,17 +6,19 @@
 
 Every setting is a field of `Config` in config.py, with its default and help text (`--help` lists them).
 The resolved config is saved to out_dir/config.json; metrics go to out_dir/metrics.jsonl; the checkpoint
-to out_dir/ckpt.pt. This file is the recipe, top to bottom: data, model, optimizer, loss, evaluation, then
-the run itself; run_folder.py holds what makes a run safe to stop, resume and share.
+to out_dir/ckpt.pt. This file is the recipe, top to bottom: model, optimizer, loss, evaluation, several
+processes, then the run in its steps: data, model, the loop, a sample.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import secrets
+import signal
 import sys
 import time
 from contextlib import ExitStack, nullcontext
@@ -27,13 +29,21 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-import data
-import run_folder
-from config import Config, ConfigError, help_text, interrupted_exit_code, parse_config, run_main
-from data import Batch, DataError, PackedBatches
+import checkpoints
+from config import Config, Interrupted, help_text, interrupted_exit_code, parse_config, resolve_device, run_main
+from data import Batch, DataError, Flags, PackedBatches, describe_packing
+from files import ConfigError, Progress, RunFiles, SaveFailed, hold, read_metrics, write_atomically
 from model import GPT, GPTConfig, attention_impl, attention_mask
-from prepare import prepare_for
-from run_folder import SaveFailed
+from shards import (
+    decoded,
+    document_opening,
+    is_prepared_folder,
+    leading_documents,
+    load_shards,
+    load_tokenizer,
+    start_marker_id,
+    with_start_marker,
+)
 
 
 class TrainingDiverged(Exception):
@@ -41,7 +51,7 @@ class TrainingDiverged(Exception):
 
 
 # ----------------------------------------------------------------------------------------------
-# Data, model, optimizer
+# Model, optimizer
 
 
 def model_settings(cfg: Config, vocab_size: int) -> GPTConfig:
@@ -50,6 +60,24 @@ def model_settings(cfg: Config, vocab_size: int) -> GPTConfig:
         vocab_size=math.ceil(vocab_size / 64) * 64,  # a multiple of 64 is faster on GPU
         **{name: getattr(cfg, name) for name in same_names},
     )
+
+
+def check_fits(config: GPTConfig, batch_size: int, device: torch.device) -> None:
+    """Refuse a model that cannot fit: weights, gradients and AdamW state (16 bytes a parameter in fp32)
+    plus one fp32 copy of the logits are a lower bound on what training needs."""
+    d, T = config.n_embd, config.seq_len
+    params = config.vocab_size * d + config.n_layer * (12 * d * d + 4 * d) + 2 * d
+    params += T * d if config.pos_emb == "learned" else 0
+    need = 16 * params + 4 * batch_size * T * config.vocab_size
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ConfigError(
+            f"the model ({params / 1e6:,.1f}M parameters, {batch_size} x {T} tokens a micro-batch) needs about "
+            f"{need / 1e9:,.1f} GB to train on {device.type}, and this machine has {have / 1e9:,.1f} GB"
+        )
 
 
 def autocast(device: torch.device, dtype: str = "auto"):
@@ -83,7 +111,7 @@ def token_losses(model: torch.nn.Module, batch: Batch, config: GPTConfig) -> tup
     (B, T bool). The one loss of this repo: training sums it; evaluation and the ablation probes also read
     it by position. The attention mask is built here, once per batch and outside the (compiled) model,
     from the batch's document ids and its doc_mask flag."""
-    mask = attention_mask(batch.doc_ids, batch.doc_mask, config.attn_impl)
+    mask = attention_mask(batch.doc_ids, batch.doc_mask, config.attn_impl, config.flex_mask)
     return model(batch.inputs, batch.position_ids, mask, batch.targets), batch.counted
 
 
@@ -131,14 +159,14 @@ def evaluate(
     targets by position within the document's text (the input's position, below seq_len: position p predicts
     the token after the p-th) and by document are kept too, so that any band of positions, or any subset of
     documents, can be scored from metrics.jsonl without running the model again. `print_progress`: where to
-    print progress every 10 seconds, when there is that much to do."""
+    print progress every 10 seconds, when there is that much to do (None: nowhere)."""
     model.eval()
     seq_len, batch_size = alone.seq_len, alone.batch_size
     n_batches = -(-len(packed) // packed.batch_size) - (-len(alone) // batch_size)
-    progress = EvaluationProgress(n_batches, print_progress)
+    progress = evaluation_progress(n_batches, print_progress)
     total, count = torch.zeros((), device=device), torch.zeros((), device=device)
     for batch in packed.all_batches():
-        progress.step()
+        progress.advance(1)
         batch = batch.to(device)
         with precision:
             losses, counted = token_losses(model, batch, model_config)
@@ -149,7 +177,7 @@ def evaluate(
     by_document = torch.zeros(2, n_documents, dtype=torch.float64, device=device)
     first_token = torch.zeros(n_documents, dtype=torch.float64, device=device)  # predicted from the BOS
     for first_row, batch in zip(range(0, len(alone), batch_size), alone.all_batches()):
-        progress.step()
+        progress.advance(1)
         batch = batch.to(device)
         with precision:
             losses, counted = token_losses(model, batch, model_config)
@@ -184,52 +212,23 @@ def evaluate(
     return result
 
 
+def evaluation_progress(n_batches: int, print_progress) -> Progress:
+    """A line every 10 seconds of a long evaluation: batches done of all, and the ETA."""
+    return Progress(
+        n_batches,
+        lambda p: f"eval: {p.done:.0f}/{p.total:.0f} batches, ETA {p.eta()}",
+        print_progress or (lambda line: None),
+    )
+
+
 def validation_sets(
-    val: data.TokenStream | np.ndarray, eot_id: int, cfg: Config, bos_id: int | None = None
+    val: np.ndarray, eot_id: int, cfg: Config, bos_id: int | None = None
 ) -> tuple[PackedBatches, PackedBatches]:
     """The validation documents as `evaluate` takes them: rows under the run's packing and flags, and each
     document alone (pad rows, every fix on: the inference setting)."""
     common = dict(eot_id=eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, bos_id=bos_id, shuffle=False)
     packed = PackedBatches(val, packing=cfg.packing, flags=cfg.flags, split="val", **common)
     return packed, PackedBatches(val, packing="pad", split="val", **common)
-
-
-class EvaluationProgress:
-    """A line every 10 seconds of a long evaluation: batches done of all, and the ETA."""
-
-    def __init__(self, batches: int, print_progress) -> None:
-        self.total, self.done, self.print = batches, 0, print_progress
-        self.start = self.last = time.time()
-
-    def step(self) -> None:
-        now = time.time()
-        if self.print is not None and self.done and now - self.last >= 10:
-            eta = (now - self.start) / self.done * (self.total - self.done)
-            self.print(f"eval: {self.done}/{self.total} batches, ETA {run_folder.format_duration(eta)}", flush=True)
-            self.last = now
-        self.done += 1
-
-
-# ----------------------------------------------------------------------------------------------
-# The run
-
-
-def train(cfg: Config) -> dict:
-    """Run training as configured; returns the last evaluation (on process 0)."""
-    rank, world_size, device = run_folder.setup_distributed(cfg)
-    try:
-        with ExitStack() as held:
-            refused = None
-            if rank == 0:  # only process 0 writes to out_dir
-                try:
-                    held.enter_context(run_folder.hold(cfg))
-                except ConfigError as e:
-                    refused = e
-            run_folder.agree(refused)  # every process stops with process 0's error, none waits for it
-            return fit(cfg, rank, world_size, device)
-    finally:
-        if world_size > 1:
-            dist.destroy_process_group()
 
 
 def eval_token_budget(cfg: Config, world_size: int = 1) -> int:
@@ -241,46 +240,277 @@ def eval_token_budget(cfg: Config, world_size: int = 1) -> int:
     return min(1_000_000, max(32_768, between // 4))
 
 
-def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
-    """The run on this process: data, model and optimizer (from the checkpoint when resuming), the loop."""
-    main_process = rank == 0  # the only one that prints, logs, evaluates and writes checkpoints
-    print0 = print if main_process else (lambda *args, **kwargs: None)
-    out_dir = Path(cfg.out_dir)
-    ckpt_path = out_dir / "ckpt.pt"
-    checkpoint = run_folder.load_checkpoint(ckpt_path, cfg, world_size) if cfg.resume else None
-    if checkpoint is not None:
-        run_folder.check_one_run(out_dir, checkpoint)
-    if cfg.packing == "pad" and cfg.flags != data.Flags():
-        print0(
-            "warning: with packing=pad each row holds one document, so the three flags change nothing", file=sys.stderr
-        )
+# ----------------------------------------------------------------------------------------------
+# Several processes (torchrun)
 
-    # Data. A model that cannot fit is refused before the data is prepared (the vocabulary is a guess until then).
-    guessed_vocab = (cfg.tokenizer_vocab_size if cfg.tokenizer == "bpe" else 256) + cfg.bos
-    run_folder.check_fits(model_settings(cfg, guessed_vocab), cfg.batch_size, device)
-    failed = None
-    if checkpoint is not None:  # a resumed run trains on the shards it started on, or not at all
-        shard_path = run_folder.checkpoint_shards(ckpt_path, checkpoint)
-    elif main_process:  # process 0 prepares the data first; the others then find it
+
+def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
+    """(rank, world_size, device). Under torchrun (WORLD_SIZE > 1) joins the process group: NCCL on GPU,
+    gloo on CPU, one GPU per process."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_device(cfg.device)
+    if world_size == 1:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), world_size, device
+
+
+def agree(error: Exception | None) -> None:
+    """Raise on every process the error that any process had (None: there was none). A collective under
+    torchrun, so that an error on one process before a barrier stops them all with the same one line
+    instead of leaving the others waiting."""
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)))
+    for found in errors:
+        if found is not None:
+            raise {"DataError": DataError}.get(found[0], ConfigError)(found[1])
+
+
+class StopRequest:
+    """Ctrl-C, SIGTERM or SIGHUP: finish the step in flight, checkpoint, exit 0; a second one stops at once.
+    A context manager, so the previous handlers come back when training returns."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __enter__(self) -> StopRequest:
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # a second one stops at once
+            raise Interrupted(signum)
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint", flush=True)
+
+    def agreed(self, step: int, every: int, device: torch.device) -> bool:
+        """Stop after this step? Under DDP the processes agree every `every` steps (a collective, on all of
+        them), so none is left waiting for the others."""
+        if not dist.is_initialized():
+            return self.requested
+        if step % every:
+            return False
+        flag = torch.tensor(float(self.requested), device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+# ----------------------------------------------------------------------------------------------
+# The metrics log
+
+
+class MetricsLog:
+    """out_dir/metrics.jsonl, plus wandb when asked for, and the progress lines: each training record
+    carries the throughput since the previous one (evaluations excluded) and the ETA. Its clock starts
+    when the `with` block is entered, at the first step."""
+
+    def __init__(
+        self, files: RunFiles, cfg: Config, resume_step: int | None, world_size: int = 1, enabled=True
+    ) -> None:
+        self.files, self.enabled, self.wandb_run = files, enabled, None
+        self.first_step, self.max_iters, self.world_size = resume_step or 0, cfg.max_iters, world_size
+        self.tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * world_size
+        self.counted_since_log: torch.Tensor | int = 0  # on the device until a log step: no per-step sync
+        if not enabled:  # processes other than 0 under DDP
+            return
+        path = files.path("metrics.jsonl")
+        if resume_step is None:
+            write_atomically(path, "")
+        else:  # drop what was logged after the checkpoint, so the log reads as one run
+            kept = [line for line, record in read_metrics(path) if record["step"] <= resume_step]
+            write_atomically(path, "".join(line + "\n" for line in kept))
+        if cfg.wandb:
+            try:
+                import wandb
+
+                self.wandb_run = wandb.init(
+                    project=cfg.wandb_project,
+                    name=cfg.wandb_run_name or files.out_dir.name,
+                    config=dataclasses.asdict(cfg),
+                    resume="allow",
+                    dir=os.environ.get("WANDB_DIR", str(files.out_dir)),
+                )
+            except Exception as e:
+                print(
+                    f"warning: wandb logging is off ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                    "set WANDB_MODE=offline to log without an account",
+                    file=sys.stderr,
+                )
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        path = self.files.path("metrics.jsonl")
         try:
-            shard_path = prepare_for(cfg, log=print0)
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:  # a full disk, a file-size limit: one line, as for a checkpoint
+            raise SaveFailed(f"could not write {path} ({e.strerror or e})") from None
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if not isinstance(v, list)}, step=record["step"])
+
+    def count(self, batches: list[Batch]) -> None:
+        """Add a step's counted targets, for the rate of useful tokens."""
+        self.counted_since_log = self.counted_since_log + sum(b.counted.sum() for b in batches)
+
+    def training(self, step: int, loss: torch.Tensor, lr: float) -> None:
+        """Write and print the training record of this step."""
+        if not self.enabled:
+            return
+        now = time.time()
+        tok_s = (step - self.step_at_log) * self.tokens_per_step / (now - self.t_log)
+        self.progress.done = step - self.first_step
+        record = {
+            "step": step,
+            "train_loss": round(loss.item(), 4),
+            "lr": lr,
+            "tokens_per_sec": round(tok_s),
+            "counted_tokens_per_sec": round(float(self.counted_since_log) * self.world_size / (now - self.t_log)),
+        }
+        self.write(record)
+        print(
+            f"step {step:>5}/{self.max_iters} | loss {record['train_loss']:.4f} | lr {lr:.2e} | "
+            f"{tok_s:,.0f} tok/s | ETA {self.progress.eta()}",
+            flush=True,
+        )
+        self.t_log, self.step_at_log, self.counted_since_log = time.time(), step, 0
+
+    def evaluated(self, result: dict, seconds: float) -> None:
+        """Print the evaluation (written already, before its checkpoint); its time does not count against
+        training throughput."""
+        if self.enabled:
+            print(
+                f"eval {result['step']:>5} | val_loss {result['val_loss']:.4f} | "
+                f"val_doc_loss {result['val_doc_loss']:.4f} | {seconds:.1f}s, checkpoint saved",
+                flush=True,
+            )
+        self.t_log += seconds
+
+    def __enter__(self) -> MetricsLog:
+        # the ETA only: the training record prints the line
+        self.progress = Progress(self.max_iters - self.first_step, str, lambda line: None)
+        self.t_log = time.time()
+        self.step_at_log = self.first_step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+# ----------------------------------------------------------------------------------------------
+# The run, in its steps
+
+
+def train(cfg: Config) -> dict:
+    """Run training as configured; returns the last evaluation (on process 0)."""
+    rank, world_size, device = setup_distributed(cfg)
+    try:
+        with ExitStack() as held:
+            refused = None
+            if rank == 0:  # only process 0 writes to out_dir
+                try:
+                    held.enter_context(hold(Path(cfg.out_dir), cfg.resume, cfg.overwrite))
+                except ConfigError as e:
+                    refused = e
+            agree(refused)  # every process stops with process 0's error, none waits for it
+            return fit(cfg, rank, world_size, device)
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()
+
+
+def adopt_prepared_settings(cfg: Config, folder: Path, log=print) -> None:
+    """The data settings a prepared folder was made with become the run's, so that config.json records what
+    the run used; a setting given otherwise (not its default) contradicts the data and is refused."""
+    meta = load_shards(folder).meta
+    made, defaults, adopted = meta["settings"], Config(), []
+    same_tokenizer = cfg.tokenizer == meta["tokenizer"] or (  # a .tiktoken file is known by its content
+        Path(cfg.tokenizer).is_file()
+        and hashlib.sha256(Path(cfg.tokenizer).read_bytes()).hexdigest() == made["tokenizer"]
+    )
+    used = {
+        "tokenizer": cfg.tokenizer if same_tokenizer else meta["tokenizer"],
+        "tokenizer_vocab_size": made.get("vocab_size", cfg.tokenizer_vocab_size),
+        "tokenizer_train_mb": made.get("tokenizer_train_mb", cfg.tokenizer_train_mb),
+        "val_fraction": made["val_fraction"],
+        "data_seed": made["seed"],
+        "text_field": made["text_field"],
+    }
+    for key, value in used.items():
+        if getattr(cfg, key) == value:
+            continue
+        if getattr(cfg, key) != getattr(defaults, key):
+            raise ConfigError(
+                f"{key}={getattr(cfg, key)!r}, but {folder} was prepared with {key}={value!r}: drop the setting to "
+                "train on that folder, or give the corpus itself to prepare it with yours"
+            )
+        setattr(cfg, key, value)
+        adopted.append(f"{key}={value!r}")
+    if adopted:
+        log(f"data: {folder} was prepared with {', '.join(adopted)}; the run uses (and records) those")
+
+
+def prepared_data(cfg: Config, main_process: bool, log) -> Path:
+    """The run's shard folder: a prepared folder given as the dataset (whose data settings the run adopts),
+    or the corpus prepared first: process 0 prepares, the others then find it. Preparation (prepare.py and
+    corpora.py) is imported only then: training on a prepared folder needs neither."""
+    if is_prepared_folder(cfg.dataset):
+        adopt_prepared_settings(cfg, Path(cfg.dataset), log)
+        return Path(cfg.dataset)
+    from prepare import prepare_for
+
+    failed, shard_path = None, None
+    if main_process:
+        try:
+            shard_path = prepare_for(cfg, log=log)
         except (ConfigError, DataError) as e:
             failed = e
-    run_folder.agree(failed)
-    if checkpoint is None and not main_process:
-        shard_path = prepare_for(cfg, log=print0)
-    shards = data.load_shards(shard_path)
+    agree(failed)
+    return shard_path or prepare_for(cfg, log=log)
+
+
+@dataclasses.dataclass
+class RunData:
+    shard_path: Path
+    eot_id: int
+    tokenizer: object  # the run's tiktoken Encoding, with the start marker when the run has it
+    train: PackedBatches
+    val_packed: PackedBatches
+    val_alone: PackedBatches
+    val_tokens: int
+
+
+def load_data(cfg: Config, state: dict | None, rank: int, world_size: int, device, log) -> RunData:
+    """The shards (a resumed run's own, or prepared), the tokenizer, and every split's rows, planned once."""
+    guessed_vocab = (cfg.tokenizer_vocab_size if cfg.tokenizer == "bpe" else 256) + cfg.bos
+    check_fits(model_settings(cfg, guessed_vocab), cfg.batch_size, device)  # before a long preparation
+    ckpt_path = Path(cfg.out_dir) / "ckpt.pt"
+    if state is not None:  # a resumed run trains on the shards it started on, or not at all
+        shard_path = checkpoints.checkpoint_shards(ckpt_path, state)
+    else:
+        shard_path = prepared_data(cfg, rank == 0, log)
+    shards = load_shards(shard_path)
+    if state is not None and state["tokenizer_sha256"] != shards.meta["tokenizer_sha256"]:
+        raise ConfigError(f"{ckpt_path} was trained with another tokenizer than the shards in {shard_path}")
     if cfg.eval_tokens == -1:  # resolved once, and kept in config.json and the checkpoint: a resumed run
         # (whose max_iters or eval_interval may change) evaluates on the same documents
-        saved = checkpoint["config"]["eval_tokens"] if checkpoint is not None else -1
+        saved = state["config"]["eval_tokens"] if state is not None else -1
         cfg.eval_tokens = saved if saved >= 0 else eval_token_budget(cfg, world_size)
-    val = data.leading_documents(shards.val, shards.eot_id, cfg.eval_tokens)
-    if checkpoint is not None and checkpoint["tokenizer_sha256"] != shards.meta["tokenizer_sha256"]:
-        raise ConfigError(f"{ckpt_path} was trained with another tokenizer than the shards in {shard_path}")
-    enc = data.load_tokenizer(shard_path)
-    bos_id = data.start_marker_id(enc) if cfg.bos else None
-    enc = data.with_start_marker(enc, bos_id)
-    # every split's rows are planned once, here, from the data alone
+    val = leading_documents(shards.val, shards.eot_id, cfg.eval_tokens)
+    enc = load_tokenizer(shard_path)
+    bos_id = start_marker_id(enc) if cfg.bos else None
     train_batches = PackedBatches(
         shards.train,
         shards.eot_id,
@@ -294,38 +524,50 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
         world_size=world_size,
     )
     val_packed, val_alone = validation_sets(val, shards.eot_id, cfg, bos_id)
+    tokenizer = with_start_marker(enc, bos_id)
+    return RunData(shard_path, shards.eot_id, tokenizer, train_batches, val_packed, val_alone, len(val))
 
-    # Model and optimizer, from the checkpoint when resuming.
+
+def build_model(cfg: Config, run: RunData, state: dict | None, rank: int, world_size: int, device):
+    """The model and its optimizer, from the checkpoint when resuming (with the data position and RNG)."""
     torch.manual_seed(cfg.seed)
-    model_config = model_settings(cfg, enc.n_vocab)
-    run_folder.check_fits(model_config, cfg.batch_size, device)
+    model_config = model_settings(cfg, run.tokenizer.n_vocab)
+    check_fits(model_config, cfg.batch_size, device)
     model = GPT(model_config).to(device)
     if world_size > 1:
         torch.manual_seed(cfg.seed + rank)  # the same init everywhere, different dropout masks per process
     optimizer = make_optimizer(model, cfg, device)
-    start_step = 0
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        train_batches.load_state_dict(checkpoint["data"])
-        run_folder.set_rng_states(checkpoint["rng"][rank])
-        start_step = checkpoint["step"]
-    # Three handles on one set of weights: `model` is saved, clipped and sampled from; `fast_model` (compiled
-    # when asked) evaluates; `training_model` trains, wrapped under torchrun to average gradients.
-    fast_model = torch.compile(model) if cfg.compile else model
-    training_model = fast_model
-    if world_size > 1:
-        ddp_devices = [device.index] if device.type == "cuda" else None
-        training_model = DistributedDataParallel(fast_model, device_ids=ddp_devices, broadcast_buffers=False)
-    precision = autocast(device, cfg.dtype)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        run.train.load_state_dict(state["data"])
+        checkpoints.set_rng_states(state["rng"][rank])
+    return model, optimizer
 
-    run_id = (checkpoint or {}).get("run_id") or secrets.token_hex(8)
-    files = run_folder.RunFiles(out_dir, run_id, fresh=checkpoint is None, enabled=main_process)
+
+def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
+    """The run on this process: data, model and optimizer (from the checkpoint when resuming), the run's
+    files, the loop, a sample."""
+    main_process = rank == 0  # the only one that prints, logs, evaluates and writes checkpoints
+    print0 = print if main_process else (lambda *args, **kwargs: None)
+    out_dir = Path(cfg.out_dir)
+    state = checkpoints.load_checkpoint(out_dir / "ckpt.pt", cfg, world_size) if cfg.resume else None
+    if cfg.packing == "pad" and cfg.flags != Flags():
+        print0(
+            "warning: with packing=pad each row holds one document, so the three flags change nothing", file=sys.stderr
+        )
+    run = load_data(cfg, state, rank, world_size, device, print0)
+    model, optimizer = build_model(cfg, run, state, rank, world_size, device)
+    start_step = state["step"] if state else 0
+
+    run_id = (state or {}).get("run_id") or secrets.token_hex(8)
+    files = RunFiles(out_dir, run_id, fresh=state is None, enabled=main_process)
     if main_process:
-        settings = json.dumps({"run_id": run_id, **dataclasses.asdict(cfg)}, indent=1)
-        run_folder.write_atomically(files.path("config.json"), settings)
-    log = run_folder.MetricsLog(files, cfg, start_step if checkpoint else None, world_size, enabled=main_process)
-    checkpoints = run_folder.Checkpointer(files, cfg, model_config, shard_path, shards, enc)
+        write_atomically(files.path("config.json"), json.dumps({"run_id": run_id, **dataclasses.asdict(cfg)}, indent=1))
+    log = MetricsLog(files, cfg, start_step if state else None, world_size, enabled=main_process)
+    saver = checkpoints.Checkpointer(
+        files, cfg, model.config, run.shard_path, load_shards(run.shard_path).meta, run.tokenizer
+    )
     print0(
         f"model: {model.num_params() / 1e6:.2f}M parameters, pos_emb={cfg.pos_emb}, device={device}, "
         f"attention={attention_impl(cfg.doc_mask, cfg.attn_impl, device)}"
@@ -334,25 +576,47 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
     print0(
         f"run: {cfg.max_iters} steps of {log.tokens_per_step:,} tokens, packing={cfg.packing}, bos={cfg.bos}, "
         f"doc_mask={cfg.doc_mask}, reset_position_ids={cfg.reset_position_ids}, "
-        f"mask_boundary_loss={cfg.mask_boundary_loss}" + (f", resuming after step {start_step}" if checkpoint else "")
+        f"mask_boundary_loss={cfg.mask_boundary_loss}" + (f", resuming after step {start_step}" if state else "")
     )
-    packing_statistics = train_batches.statistics()
-    print0(f"data: {data.describe_packing(cfg.packing, packing_statistics)}")
-    if checkpoint is None:
-        log.write({"step": 0, "packing_statistics": packing_statistics})
-    print0(f"eval: {len(val):,} validation tokens ({len(val_alone.documents):,} documents) per evaluation")
+    statistics = run.train.statistics()
+    print0(f"data: {describe_packing(cfg.packing, statistics)}")
+    if state is None:
+        log.write({"step": 0, "packing_statistics": statistics})
+    print0(f"eval: {run.val_tokens:,} validation tokens ({len(run.val_alone.documents):,} documents) per evaluation")
+    with files:
+        result = loop(cfg, run, model, optimizer, start_step, log, saver, device, world_size)
+    if main_process and cfg.sample_prompt and cfg.sample_tokens and result.get("step") == cfg.max_iters:
+        prompt = torch.tensor([document_opening(run.tokenizer, cfg.sample_prompt)], device=device)
+        with autocast(device, cfg.dtype):
+            out = model.eval().generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50, stop_token=run.eot_id)
+        print0(f"\nfinal val_doc_loss {result['val_doc_loss']:.4f} (val_loss {result['val_loss']:.4f})")
+        print0(f"sample:\n{decoded(run.tokenizer, out[0].tolist())}")
+    return result
 
-    # The loop. The loss stays on the device between log steps: checking it every step would wait for the GPU.
+
+def loop(cfg, run: RunData, model, optimizer, start_step: int, log: MetricsLog, saver, device, world_size) -> dict:
+    """The training steps, with logging, evaluation and checkpoints; returns the last evaluation. The loss
+    stays on the device between log steps: checking it every step would wait for the GPU."""
+    main_process = log.enabled
+    # Three handles on one set of weights: `model` is saved, clipped and sampled from; `fast_model` (compiled
+    # when asked) evaluates; `training_model` trains, wrapped under torchrun to average gradients.
+    fast_model = torch.compile(model) if cfg.compile else model
+    training_model = fast_model
+    if world_size > 1:
+        ddp_devices = [device.index] if device.type == "cuda" else None
+        training_model = DistributedDataParallel(fast_model, device_ids=ddp_devices, broadcast_buffers=False)
+    precision = autocast(device, cfg.dtype)
+    ckpt_path = Path(cfg.out_dir) / "ckpt.pt"
+    kept = f"the checkpoint of step {start_step} is kept in {ckpt_path}" if start_step else "no checkpoint was written"
     result: dict = {}
     nonfinite = torch.zeros((), dtype=torch.bool, device=device)
-    kept = f"the checkpoint of step {start_step} is kept in {ckpt_path}" if checkpoint else "no checkpoint was written"
-    with run_folder.StopRequest() as stop, log, files:
+    with StopRequest() as stop, log:
         for step in range(start_step + 1, cfg.max_iters + 1):
             lr = lr_at(step - 1, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            micro_batches = [train_batches.next().to(device) for _ in range(cfg.grad_accum)]
-            loss = accumulate_gradients(training_model, micro_batches, precision, model_config)
+            micro_batches = [run.train.next().to(device) for _ in range(cfg.grad_accum)]
+            loss = accumulate_gradients(training_model, micro_batches, precision, model.config)
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
@@ -366,8 +630,7 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
             should_eval = step % cfg.eval_interval == 0 or last
             if (should_log or should_eval) and nonfinite.item():  # before anything is logged or saved
                 raise TrainingDiverged(
-                    f"training loss became non-finite by step {step} (last value {loss.item()}); "
-                    f"{checkpoints.kept or kept}"
+                    f"training loss became non-finite by step {step} (last value {loss.item()}); {saver.kept or kept}"
                 )
             if should_log:
                 log.training(step, loss, lr)
@@ -376,28 +639,20 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
                 if main_process:  # the unwrapped model: a DDP forward on one process alone would hang
                     result = {
                         "step": step,
-                        **evaluate(fast_model, model_config, val_packed, val_alone, device, precision, print0),
+                        **evaluate(fast_model, model.config, run.val_packed, run.val_alone, device, precision, print),
                     }
                     if not (math.isfinite(result["val_loss"]) and math.isfinite(result["val_doc_loss"])):
-                        raise TrainingDiverged(
-                            f"validation loss is non-finite at step {step}; {checkpoints.kept or kept}"
-                        )
+                        raise TrainingDiverged(f"validation loss is non-finite at step {step}; {saver.kept or kept}")
                     log.write(result)
-                checkpoints.save(step, model, optimizer, train_batches, result)
+                saver.save(step, model, optimizer, run.train, result)
                 log.evaluated(result, time.time() - t_eval)
             if stopping and not last:
-                checkpoints.save(step, model, optimizer, train_batches, result)
-                print0(f"stopped after step {step}; resume with: python train.py --out_dir={cfg.out_dir} --resume=true")
+                saver.save(step, model, optimizer, run.train, result)
+                if main_process:
+                    print(
+                        f"stopped after step {step}; resume with: python train.py --out_dir={cfg.out_dir} --resume=true"
+                    )
                 return result
-
-    # The end: a short sample from the trained model.
-    if main_process and cfg.sample_prompt and cfg.sample_tokens and result:
-        prompt = torch.tensor([data.document_opening(enc, cfg.sample_prompt)], device=device)
-        with precision:
-            out = model.eval().generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50, stop_token=shards.eot_id)
-        text = data.decoded(enc, out[0].tolist())
-        print0(f"\nfinal val_doc_loss {result['val_doc_loss']:.4f} (val_loss {result['val_loss']:.4f})")
-        print0(f"sample:\n{text}")
     return result
 
 

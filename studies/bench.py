@@ -13,8 +13,8 @@ memory and, for FlexAttention, the BlockMask build time per step.
                     position gather (learned positions whatever --pos_embs says)
   reference_causal_cudnn  the same step with SDPA held to its cuDNN backend, CUDA only (on Hopper it can be
                     the faster causal kernel; the honest reference is the faster of the two)
-  flex_doc          FlexAttention, block-sparse document mask (what train.py uses on CUDA), its mask function
-                    model.FLEX_MASK_FUNCTION
+  flex_doc          FlexAttention, block-sparse document mask (what train.py uses on CUDA), its default mask
+                    function (GPTConfig.flex_mask)
   flex_doc_by_position  the same with the mask function of one gather a score (model.document_causal_by_position)
   flex_causal       FlexAttention, causal mask only
   sdpa_causal       SDPA with is_causal, no document mask (train.py with doc_mask=false)
@@ -42,6 +42,7 @@ import json
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -52,21 +53,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import corpora
 import data
-import model as model_module
-import run_folder
+import files
 import train
-from config import ArgumentParser, ConfigError, expanded_path, run_main
+from config import ConfigError, run_main, script_settings, setting
 from data import Batch
 from model import (
-    FLEX_KERNEL_OPTIONS,
+    FLEX_MASK_FUNCTIONS,
     GPT,
     GPTConfig,
     attend,
     compiled_flex_attention,
     document_causal_block_mask,
-    document_causal_by_position,
     document_causal_dense,
 )
+from studies.tables import markdown_table
 
 VARIANTS = (
     "reference_causal",
@@ -193,7 +193,7 @@ def synthetic_batch(doc_ids: torch.Tensor, vocab_size: int, doc_mask: bool = Tru
 def bench_training_step(
     variant: str, config: GPTConfig, doc_ids, device, steps, warmup, kernel_options: dict | None = None
 ) -> dict:
-    """`kernel_options` replaces model.FLEX_KERNEL_OPTIONS for this step's FlexAttention calls."""
+    """`kernel_options`: this step's FlexAttention kernel_options (None: PyTorch's defaults)."""
     if variant == "varlen":
         return {"skipped": "attention only"}
     flex, reference = variant.startswith("flex"), variant.startswith("reference_causal")
@@ -204,7 +204,12 @@ def bench_training_step(
     if device.type == "cuda":
         # the SDPA backend is fixed when a graph is traced, and dynamo would reuse another variant's graph
         torch._dynamo.reset()
-    cfg = dataclasses.replace(config, attn_impl="flex" if flex else "sdpa")
+    cfg = dataclasses.replace(
+        config,
+        attn_impl="flex" if flex else "sdpa",
+        flex_mask=flex_mask_of(variant),
+        flex_kernel_options=kernel_options,
+    )
     doc = torch.zeros_like(doc_ids) if variant == "flex_causal" else doc_ids  # one document: a causal BlockMask
     batch = synthetic_batch(doc, cfg.vocab_size, doc_mask=variant != "sdpa_causal")
     torch.manual_seed(0)
@@ -229,13 +234,7 @@ def bench_training_step(
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    default_options, default_mask_function = model_module.FLEX_KERNEL_OPTIONS, model_module.FLEX_MASK_FUNCTION
-    model_module.FLEX_KERNEL_OPTIONS = default_options if kernel_options is None else kernel_options
-    model_module.FLEX_MASK_FUNCTION = mask_function_of(variant)
-    try:
-        seconds = timed(step, device, steps, warmup)
-    finally:
-        model_module.FLEX_KERNEL_OPTIONS, model_module.FLEX_MASK_FUNCTION = default_options, default_mask_function
+    seconds = timed(step, device, steps, warmup)
     B, T = doc_ids.shape
     result = {
         "step_ms": seconds * 1e3,
@@ -245,20 +244,20 @@ def bench_training_step(
     if device.type == "cuda":
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     if flex:
-        build = lambda: document_causal_block_mask(doc, mask_function_of(variant))  # noqa: E731
+        build = lambda: document_causal_block_mask(doc, FLEX_MASK_FUNCTIONS[cfg.flex_mask])  # noqa: E731
         result["block_mask_ms"] = timed(build, device, steps, warmup) * 1e3
     return result
 
 
-def mask_function_of(variant: str):
-    return document_causal_by_position if variant == "flex_doc_by_position" else model_module.FLEX_MASK_FUNCTION
+def flex_mask_of(variant: str) -> str:
+    return "by_position" if variant == "flex_doc_by_position" else GPTConfig.flex_mask
 
 
 def bench_attention(
     variant: str, config: GPTConfig, doc_ids, device, steps, warmup, kernel_options: dict | None = None
 ) -> dict:
-    """The attention call alone, forward (and backward where the device has one). `kernel_options`
-    replaces model.FLEX_KERNEL_OPTIONS for the FlexAttention variants."""
+    """The attention call alone, forward (and backward where the device has one). `kernel_options`: the
+    FlexAttention variants' (None: PyTorch's defaults)."""
     if variant.startswith("reference_causal"):
         return {}  # the same call as sdpa_causal
     B, T = doc_ids.shape
@@ -287,7 +286,7 @@ def bench_attention(
             mask = document_causal_dense(doc_ids)
         else:
             doc = torch.zeros_like(doc_ids) if variant == "flex_causal" else doc_ids
-            mask = document_causal_block_mask(doc, mask_function_of(variant))
+            mask = document_causal_block_mask(doc, FLEX_MASK_FUNCTIONS[flex_mask_of(variant)])
         if kernel_options is not None and variant.startswith("flex") and device.type == "cuda":
             attention = lambda: compiled_flex_attention(q, k, v, block_mask=mask, kernel_options=kernel_options)  # noqa: E731
         else:
@@ -316,73 +315,57 @@ def error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
+CUDA = torch.cuda.is_available()
+
+
+@dataclass
+class BenchSettings:
+    seq_lens: list[int] = setting([1024, 4096, 8192] if CUDA else [256], "sequence lengths", minimum=2)
+    tokens: int = setting(
+        65536 if CUDA else 2048, "tokens per batch (batch size = tokens / seq_len, at least 1)", minimum=1
+    )
+    n_layer: int = setting(12 if CUDA else 2, "transformer blocks", minimum=1)
+    n_head: int = setting(12 if CUDA else 2, "attention heads", minimum=1)
+    n_embd: int = setting(768 if CUDA else 64, "model width", minimum=1)
+    vocab_size: int = setting(50304 if CUDA else 512, "vocabulary", minimum=2)
+    doc_len: int = setting(300 if CUDA else 64, "synthetic document length", minimum=1)
+    layouts: list[str] = setting(["real", "synthetic"], "document layouts to run", choices=("real", "synthetic"))
+    pos_embs: list[str] = setting(["learned", "rope"], "position kinds to run", choices=("learned", "rope"))
+    variants: list[str] = setting(list(VARIANTS), "variants to run", choices=tuple(VARIANTS))
+    attention_only: bool = setting(False, "time the attention call alone")
+    flex_kernel_options: str = setting(
+        "",
+        "a JSON list of FlexAttention kernel_options dicts: the flex variants' attention call is timed once with "
+        "each (CUDA), and their training step with the first, e.g. '[{}, {\"ROWS_GUARANTEED_SAFE\": true}]'; "
+        "default: PyTorch's own options",
+    )
+    steps: int = setting(20 if CUDA else 3, "timed steps (median reported)", minimum=1)
+    warmup: int = setting(5 if CUDA else 1, "untimed steps first (compilation)", minimum=0)
+    out: str = setting("bench.json", "where the JSON results are written", path=True)
+
+
 def main(argv: list[str]) -> int:
-    cuda = torch.cuda.is_available()
-    parser = ArgumentParser(description=__doc__)
-    parser.add_argument(
-        "--seq_lens", default="1024,4096,8192" if cuda else "256", help="comma-separated sequence lengths"
-    )
-    parser.add_argument(
-        "--tokens",
-        type=int,
-        default=65536 if cuda else 2048,
-        help="tokens per batch (batch size = tokens / seq_len, at least 1)",
-    )
-    parser.add_argument("--n_layer", type=int, default=12 if cuda else 2)
-    parser.add_argument("--n_head", type=int, default=12 if cuda else 2)
-    parser.add_argument("--n_embd", type=int, default=768 if cuda else 64)
-    parser.add_argument("--vocab_size", type=int, default=50304 if cuda else 512)
-    parser.add_argument("--doc_len", type=int, default=300 if cuda else 64, help="synthetic document length")
-    parser.add_argument("--layouts", default="real,synthetic", help="document layouts to run: real, synthetic")
-    parser.add_argument("--pos_embs", default="learned,rope", help="position kinds to run: learned, rope")
-    parser.add_argument(
-        "--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS)
-    )
-    parser.add_argument(
-        "--attention_only", default="false", choices=("true", "false"), help="time the attention call alone"
-    )
-    parser.add_argument(
-        "--flex_kernel_options",
-        default="",
-        help="a JSON list of FlexAttention kernel_options dicts: the flex variants' attention call is timed once "
-        "with each (CUDA), and their training step with the first, e.g. '[{}, {\"ROWS_GUARANTEED_SAFE\": true}]'; "
-        "default: model.FLEX_KERNEL_OPTIONS",
-    )
-    parser.add_argument("--steps", type=int, default=20 if cuda else 3, help="timed steps (median reported)")
-    parser.add_argument("--warmup", type=int, default=5 if cuda else 1, help="untimed steps first (compilation)")
-    parser.add_argument("--out", default="bench.json", type=expanded_path, help="where the JSON results are written")
-    args = parser.parse_args(argv)
-    variants, layouts, pos_embs = args.variants.split(","), args.layouts.split(","), args.pos_embs.split(",")
-    for name, chosen, valid in (
-        ("variants", variants, VARIANTS),
-        ("layouts", layouts, ("real", "synthetic")),
-        ("pos_embs", pos_embs, ("learned", "rope")),
-    ):
-        if unknown := sorted(set(chosen) - set(valid)):
-            parser.error(f"--{name}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(valid)}")
+    cuda = CUDA
+    args = script_settings(BenchSettings, argv, __doc__, "python -m studies.bench")
+    variants, layouts, pos_embs, seq_lens = args.variants, args.layouts, args.pos_embs, args.seq_lens
+
+    def refuse(message: str) -> int:
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+
+    if not (variants and layouts and pos_embs and seq_lens):
+        return refuse("variants, layouts, pos_embs and seq_lens must each name at least one")
     try:
-        seq_lens = [int(s) for s in args.seq_lens.split(",")]
-    except ValueError:
-        parser.error(f"--seq_lens={args.seq_lens!r}: give comma-separated integers")
-    try:
-        option_sets = json.loads(args.flex_kernel_options) if args.flex_kernel_options else [FLEX_KERNEL_OPTIONS]
+        option_sets = json.loads(args.flex_kernel_options) if args.flex_kernel_options else [None]
     except json.JSONDecodeError as e:
-        parser.error(f"--flex_kernel_options: not JSON ({e})")
-    if not (isinstance(option_sets, list) and option_sets and all(isinstance(o, dict) for o in option_sets)):
-        parser.error("--flex_kernel_options: give a non-empty JSON list of objects")
-    for name, value, minimum in [
-        ("seq_lens", min(seq_lens), 2),
-        *((k, getattr(args, k), 1) for k in ("tokens", "n_layer", "n_head", "n_embd", "doc_len", "steps")),
-        ("vocab_size", args.vocab_size, 2),
-        ("warmup", args.warmup, 0),
-    ]:
-        if value < minimum:
-            parser.error(f"--{name}: {value} is below {minimum}")
+        return refuse(f"--flex_kernel_options: not JSON ({e})")
+    if not (isinstance(option_sets, list) and option_sets and all(isinstance(o, dict | None) for o in option_sets)):
+        return refuse("--flex_kernel_options: give a non-empty JSON list of objects")
     if args.n_embd % args.n_head or (args.n_embd // args.n_head) % 2:
-        parser.error(f"--n_embd={args.n_embd} must split into --n_head={args.n_head} heads of even size")
+        return refuse(f"--n_embd={args.n_embd} must split into --n_head={args.n_head} heads of even size")
     out = Path(args.out)
     if out.is_dir() or not out.parent.is_dir():
-        parser.error(f"--out={out} is a folder" if out.is_dir() else f"--out={out}: folder {out.parent} not found")
+        return refuse(f"--out={out} is a folder" if out.is_dir() else f"--out={out}: folder {out.parent} not found")
 
     device = torch.device("cuda" if cuda else "cpu")
     # every kernel_options set and grad mode is one more compiled entry of compiled_flex_attention; past
@@ -391,13 +374,13 @@ def main(argv: list[str]) -> int:
     base = GPTConfig(vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     try:
         for seq_len in seq_lens:
-            run_folder.check_fits(dataclasses.replace(base, seq_len=seq_len), max(1, args.tokens // seq_len), device)
+            train.check_fits(dataclasses.replace(base, seq_len=seq_len), max(1, args.tokens // seq_len), device)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
-        run_folder.write_atomically(out, "{}")  # fails now, not after the benchmark, if it cannot be written
-    except run_folder.SaveFailed as e:
+        files.write_atomically(out, "{}")  # fails now, not after the benchmark, if it cannot be written
+    except files.SaveFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     peak, peak_dtype = peak_matmul_flops(device)
@@ -415,7 +398,7 @@ def main(argv: list[str]) -> int:
     }
     try:
         run_all(args, report, out, seq_lens, variants, layouts, pos_embs, option_sets, base, device, peak)
-    except run_folder.SaveFailed as e:  # a full disk or a file-size limit, after some rows: they stay in out
+    except files.SaveFailed as e:  # a full disk or a file-size limit, after some rows: they stay in out
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(format_table(report["results"], args.n_layer))
@@ -450,7 +433,7 @@ def run_all(args, report, out, seq_lens, variants, layouts, pos_embs, option_set
                         if flex:
                             row["kernel_options"] = options
                         try:
-                            if args.attention_only == "false" and options in (None, option_sets[0]):
+                            if not args.attention_only and options in (None, option_sets[0]):
                                 timing = bench_training_step(
                                     variant, config, doc_ids, device, args.steps, args.warmup, options
                                 )
@@ -465,7 +448,7 @@ def run_all(args, report, out, seq_lens, variants, layouts, pos_embs, option_set
                             row["mfu"] = row["tokens_per_sec"] * flops / peak
                             row["mfu_doc"] = row["tokens_per_sec"] * (flops - attention + attention / ideal) / peak
                         report["results"].append(row)
-                        run_folder.write_atomically(out, json.dumps(report, indent=1))
+                        files.write_atomically(out, json.dumps(report, indent=1))
                         name = f"T={seq_len} {layout} {row['pos_emb']} {variant}"
                         print(f"  done: {name} {row.get('error', '')}", flush=True)
                         gc.collect()
@@ -493,11 +476,10 @@ def format_table(results: list[dict], n_layer: int) -> str:
             None,
         )
 
-    header = (
-        "| T | layout | docs/row | pos | variant | step ms | tokens/s | MFU | MFU doc | vs fastest reference "
-        "| vs sdpa_causal | step ideal | attn fwd+bwd ms | attn ideal | mask ms | peak GB | kernel options |"
-    )
-    lines = [header, "|" + " --- |" * (header.count("|") - 1)]
+    header = ["T", "layout", "docs/row", "pos", "variant", "step ms", "tokens/s", "MFU", "MFU doc"]
+    header += ["vs fastest reference", "vs sdpa_causal", "step ideal", "attn fwd+bwd ms", "attn ideal", "mask ms"]
+    header += ["peak GB", "kernel options"]
+    table = []
     for row in results:
         references = [r for r in (same(row, "reference_causal"), same(row, "reference_causal_cudnn")) if r]
         reference = min(references, key=lambda r: r["step_ms"], default=None)  # the faster causal kernel
@@ -512,15 +494,29 @@ def format_table(results: list[dict], n_layer: int) -> str:
                 saved = attention * (1 - 1 / row["ideal_doc_mask_speedup"])
                 step_ideal = f"{causal['step_ms'] / (causal['step_ms'] - min(saved, 0.99 * causal['step_ms'])):.2f}x"
         options = row.get("kernel_options")
-        lines.append(
-            f"| {row['seq_len']} | {row['layout']} | {row['docs_per_row']:.1f} | {row['pos_emb']} | {row['variant']} "
-            f"| {cell(row, 'step_ms', '.1f')} | {cell(row, 'tokens_per_sec', ',.0f')} | {cell(row, 'mfu', '.1%')} "
-            f"| {cell(row, 'mfu_doc', '.1%')} | {vs_reference} | {vs_causal} | {step_ideal} "
-            f"| {cell(row, 'attention_ms', '.2f')}{'' if row.get('backward', True) else ' (fwd only)'} "
-            f"| {row['ideal_doc_mask_speedup']:.1f}x | {cell(row, 'block_mask_ms', '.2f')} "
-            f"| {cell(row, 'peak_memory_gb', '.1f')} | {json.dumps(options) if options is not None else '-'} |"
-            + (f" error: {row['error']}" if "error" in row else "")
+        table.append(
+            [
+                row["seq_len"],
+                row["layout"],
+                f"{row['docs_per_row']:.1f}",
+                row["pos_emb"],
+                row["variant"],
+                cell(row, "step_ms", ".1f"),
+                cell(row, "tokens_per_sec", ",.0f"),
+                cell(row, "mfu", ".1%"),
+                cell(row, "mfu_doc", ".1%"),
+                vs_reference,
+                vs_causal,
+                step_ideal,
+                cell(row, "attention_ms", ".2f") + ("" if row.get("backward", True) else " (fwd only)"),
+                f"{row['ideal_doc_mask_speedup']:.1f}x",
+                cell(row, "block_mask_ms", ".2f"),
+                cell(row, "peak_memory_gb", ".1f"),
+                (json.dumps(options) if options is not None else "-")
+                + (f" error: {row['error']}" if "error" in row else ""),
+            ]
         )
+    lines = markdown_table(header, table)
     return "\n".join(lines)
 
 

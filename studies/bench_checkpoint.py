@@ -5,36 +5,41 @@ written and read back the way train.py does, with the digest timed on its own.
     python -m studies.bench_checkpoint --n_layer=4 --n_embd=128 --vocab_size=8192
 
 Every save computes the digest of the checkpoint's content and every read computes it again
-(run_folder.content_digest): this prints both, beside the time of torch.save and torch.load themselves.
+(checkpoints.content_digest): this prints both, beside the time of torch.save and torch.load themselves.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from config import script_settings, setting
+
+
+@dataclass
+class CheckpointBenchSettings:
+    n_layer: int = setting(12, "transformer blocks", minimum=1)
+    n_embd: int = setting(768, "model width", minimum=2)
+    n_head: int = setting(12, "attention heads", minimum=1)
+    vocab_size: int = setting(50304, "vocabulary", minimum=1)
+    seq_len: int = setting(1024, "positions (learned position table)", minimum=1)
+
 
 def main(argv: list[str]) -> int:
-    import run_folder
-    from config import ArgumentParser
+    import checkpoints
     from model import GPT, GPTConfig
 
-    parser = ArgumentParser(description=__doc__)
-    parser.add_argument("--n_layer", type=int, default=12)
-    parser.add_argument("--n_embd", type=int, default=768)
-    parser.add_argument("--n_head", type=int, default=12)
-    parser.add_argument("--vocab_size", type=int, default=50304)
-    parser.add_argument("--seq_len", type=int, default=1024)
-    args = parser.parse_args(argv)
-    if min(args.n_layer, args.n_embd, args.n_head, args.vocab_size, args.seq_len) < 1:
-        parser.error("every size must be at least 1")
+    args = script_settings(CheckpointBenchSettings, argv, __doc__, "python -m studies.bench_checkpoint")
     if args.n_embd % args.n_head or (args.n_embd // args.n_head) % 2:
-        parser.error(f"--n_embd={args.n_embd} must split into --n_head={args.n_head} heads of even size")
+        print(f"error: n_embd={args.n_embd} must split into n_head={args.n_head} heads of even size", file=sys.stderr)
+        return 2
     config = GPTConfig(args.vocab_size, args.seq_len, args.n_layer, args.n_head, args.n_embd)
     model = GPT(config)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -45,19 +50,19 @@ def main(argv: list[str]) -> int:
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 1, **small}
     times = {}
     t0 = time.perf_counter()
-    run_folder.content_digest(state)
+    checkpoints.content_digest(state)
     times["digest"] = time.perf_counter() - t0
     with tempfile.TemporaryDirectory(dir=".") as folder:
         path = Path(folder) / "ckpt.pt"
         t0 = time.perf_counter()
-        run_folder.save_checkpoint(path, state)
+        checkpoints.save_checkpoint(path, state)
         times["save (digest included)"] = time.perf_counter() - t0
         size = path.stat().st_size
         t0 = time.perf_counter()
         torch.load(path, map_location="cpu", weights_only=False)
         times["torch.load alone"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        run_folder.read_checkpoint(path)
+        checkpoints.read_checkpoint(path)
         times["read_checkpoint (torch.load, then the digest)"] = time.perf_counter() - t0
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
     print(f"checkpoint: {model.num_params() / 1e6:.1f}M parameters with AdamW state, {size / 1e9:.2f} GB")

@@ -28,7 +28,11 @@ import site
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from config import setting
+from studies.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root: scripts run from there
 RENAMES = [("self", "this"), ("value", "val"), ("data", "payload"), ("result", "out"), ("name", "label")]
@@ -148,24 +152,22 @@ def measure_preparation(dataset: Path, data_dir: Path, tokenizer: str = "bpe") -
     }
 
 
-def main(argv: list[str]) -> int:
-    from config import ArgumentParser, expanded_path  # a bad argument is one line, as in every script here
-    from run_folder import SaveFailed, write_atomically
+@dataclass
+class DataBenchSettings:
+    gb: float = setting(2.0, "size of the corpus in GB of text (characters)", minimum=1e-6)
+    work_dir: str = setting("bench_data_work", "where the corpora and shards are written", path=True)
+    out: str = setting("bench_data.json", "where the results are written (JSON)", path=True)
 
-    parser = ArgumentParser(description=__doc__)
-    parser.add_argument("--gb", type=float, default=2.0, help="size of the corpus in GB of text (characters)")
-    parser.add_argument(
-        "--work_dir", default="bench_data_work", type=expanded_path, help="where the corpora and shards are written"
-    )
-    parser.add_argument(
-        "--out", default="bench_data.json", type=expanded_path, help="where the results are written (JSON)"
-    )
-    args = parser.parse_args(argv)
-    if not args.gb > 0:
-        parser.error("--gb must be positive")
+
+def main(argv: list[str]) -> int:
+    from config import script_settings
+    from files import SaveFailed, write_atomically
+
+    args = script_settings(DataBenchSettings, argv, __doc__, "python -m studies.bench_data")
     work, out = Path(args.work_dir), Path(args.out)
     if out.is_dir():
-        parser.error(f"--out={out} is a folder; give a file name")
+        print(f"error: out={out} is a folder; give a file name", file=sys.stderr)
+        return 2
     try:
         write_atomically(out, "{}")  # fails now, not after the benchmark, if the file cannot be written
         return benchmark(args, work, out)
@@ -178,7 +180,7 @@ def main(argv: list[str]) -> int:
 
 
 def benchmark(args, work: Path, out: Path) -> int:
-    from run_folder import write_atomically
+    from files import write_atomically
 
     corpus = work / f"corpus_{args.gb:g}gb"
     if not (corpus / "done.json").exists():
@@ -213,19 +215,33 @@ def benchmark(args, work: Path, out: Path) -> int:
         f"machine: {platform.machine()}, {os.cpu_count()} cores; python {platform.python_version()}",
         f"corpus: {info['documents']:,} documents, {info['characters'] / 1e9:.2f} G characters",
         "",
-        "| run | wall s | tokens written | tokens/s | speed vs raw tiktoken | peak RSS GB |",
-        "| --- | --- | --- | --- | --- | --- |",
-        f"| raw tiktoken (encoding only) | {raw['encode_seconds']:.1f} | {raw['tokens']:,} | {raw_rate:,.0f} | 1.00x "
-        f"| {raw['peak_rss_gb']:.2f} |",
+    ]
+    table = [
+        [
+            "raw tiktoken (encoding only)",
+            f"{raw['encode_seconds']:.1f}",
+            f"{raw['tokens']:,}",
+            f"{raw_rate:,.0f}",
+            "1.00x",
+            f"{raw['peak_rss_gb']:.2f}",
+        ]
     ]
     for name in ("bpe", *runs):
         r = results[f"prepare_{name}"]
         # the same text as raw tiktoken encoded (the half corpus aside): compare the times
         ratio = "-" if name.startswith("half") else f"{raw['encode_seconds'] / r['seconds']:.2f}x"
-        lines.append(
-            f"| prepare {name} | {r['seconds']:.1f} | {r['tokens']:,} | {r['tokens'] / r['seconds']:,.0f} | {ratio} "
-            f"| {r['peak_rss_gb']:.2f} |"
+        table.append(
+            [
+                f"prepare {name}",
+                f"{r['seconds']:.1f}",
+                f"{r['tokens']:,}",
+                f"{r['tokens'] / r['seconds']:,.0f}",
+                ratio,
+                f"{r['peak_rss_gb']:.2f}",
+            ]
         )
+    header = ["run", "wall s", "tokens written", "tokens/s", "speed vs raw tiktoken", "peak RSS GB"]
+    lines += markdown_table(header, table)
     report = "\n".join(lines)
     results["report"] = report
     write_atomically(out, json.dumps(results, indent=1))

@@ -22,9 +22,13 @@ import platform
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from config import setting
+from studies.tables import markdown_table
 
 PACKINGS = ("concat", "bestfit", "pad")
 STATISTICS = {  # column: key of data.packing_statistics
@@ -39,9 +43,10 @@ STATISTICS = {  # column: key of data.packing_statistics
 def plan_child(path: str, n_tokens: int, seq_len: int, eot_id: int) -> None:
     """Child process: plan best-fit rows over a memory-mapped split; prints the figures as JSON."""
     import data
+    from shards import TokenStream
 
     t0 = time.perf_counter()
-    stream = data.TokenStream([np.memmap(path, dtype=np.uint16, mode="r", shape=(n_tokens,))])
+    stream = TokenStream([np.memmap(path, dtype=np.uint16, mode="r", shape=(n_tokens,))])
     documents = data.Documents(stream, eot_id)
     found = time.perf_counter() - t0
     rows = data.bestfit_rows(documents, seq_len)
@@ -83,25 +88,26 @@ def planning(lengths: np.ndarray, n_documents: int, seq_len: int, work: Path) ->
     return {"tokens": n_tokens, "seq_len": seq_len, **json.loads(result["output"]), "wall_seconds": result["seconds"]}
 
 
-def main(argv: list[str]) -> int:
-    from config import ArgumentParser, ConfigError, expanded_path, parse_config
-    from data import DataError
-    from run_folder import SaveFailed, write_atomically
+@dataclass
+class PackingBenchSettings:
+    datasets: list[str] = setting(["stdlib", "packages"], "datasets (train.py's --dataset)")
+    seq_lens: list[int] = setting([256, 1024, 8192], "row lengths", minimum=2)
+    bos: bool = setting(False, "with the start marker")
+    data_dir: str = setting("data", "where prepared shards are kept", path=True)
+    plan_documents: int = setting(0, "also time best-fit planning of this many documents (0: not)", minimum=0)
+    out: str = setting("bench_packing.json", "results (JSON; and .md)", path=True)
 
-    parser = ArgumentParser(description=__doc__)
-    parser.add_argument("--datasets", default="stdlib,packages", help="comma-separated datasets (train.py's --dataset)")
-    parser.add_argument("--seq_lens", default="256,1024,8192", help="comma-separated row lengths")
-    parser.add_argument("--bos", default="false", choices=("true", "false"), help="with the start marker")
-    parser.add_argument("--data_dir", default="data", type=expanded_path, help="where prepared shards are kept")
-    parser.add_argument("--plan_documents", type=int, default=0, help="also time best-fit planning at this many")
-    parser.add_argument("--out", default="bench_packing.json", type=expanded_path, help="results (JSON; and .md)")
-    args = parser.parse_args(argv)
-    try:
-        seq_lens = [int(s) for s in args.seq_lens.split(",")]
-    except ValueError:
-        parser.error(f"--seq_lens={args.seq_lens}: expected integers separated by commas")
-    if not seq_lens or min(seq_lens) < 2 or args.plan_documents < 0:
-        parser.error("--seq_lens must be at least 2 each, --plan_documents at least 0")
+
+def main(argv: list[str]) -> int:
+    from config import ConfigError, parse_config, script_settings
+    from data import DataError
+    from files import SaveFailed, write_atomically
+
+    args = script_settings(PackingBenchSettings, argv, __doc__, "python -m studies.bench_packing")
+    seq_lens = args.seq_lens
+    if not seq_lens or not args.datasets:
+        print("error: give at least one dataset and one seq_len", file=sys.stderr)
+        return 2
     out = Path(args.out)
     try:
         write_atomically(out, "{}")  # fails now, not after the benchmark, if the file cannot be written
@@ -116,14 +122,15 @@ def main(argv: list[str]) -> int:
 
 def benchmark(args, seq_lens: list[int], out: Path, parse_config) -> int:
     import data
+    from files import write_atomically
     from prepare import prepare_for
-    from run_folder import write_atomically
+    from shards import load_shards, load_tokenizer, start_marker_id
 
     rows, first_lengths = [], None
-    for dataset in args.datasets.split(","):
+    for dataset in args.datasets:
         shard_path = prepare_for(parse_config([f"--dataset={dataset}", f"--data_dir={args.data_dir}"]))
-        shards = data.load_shards(shard_path)
-        bos_id = data.start_marker_id(data.load_tokenizer(shard_path)) if args.bos == "true" else None
+        shards = load_shards(shard_path)
+        bos_id = start_marker_id(load_tokenizer(shard_path)) if args.bos else None
         documents = data.Documents(shards.train, shards.eot_id, bos_id)
         first_lengths = documents.lengths if first_lengths is None else first_lengths
         for seq_len in seq_lens:
@@ -138,17 +145,16 @@ def benchmark(args, seq_lens: list[int], out: Path, parse_config) -> int:
                 print(f"{dataset} seq_len={seq_len}: {data.describe_packing(packing, stats)}", flush=True)
     lines = [
         f"machine: {platform.machine()}, {os.cpu_count()} cores; python {platform.python_version()}; "
-        f"start marker: {args.bos}",
+        f"start marker: {str(args.bos).lower()}",
         "",
-        "| dataset | seq_len | packing | rows | " + " | ".join(STATISTICS) + " |",
-        "|" + " --- |" * (4 + len(STATISTICS)),
     ]
-    for r in rows:
-        cells = [f"{r[key]:.2f}" if key == "documents_per_row" else f"{r[key]:.1%}" for key in STATISTICS.values()]
-        lines.append(
-            f"| {r['dataset']} | {r['seq_len']:,} | {r['packing']} | {r['rows']:,} | " + " | ".join(cells) + " |"
-        )
-    results: dict = {"bos": args.bos == "true", "packings": rows}
+    table = [
+        [r["dataset"], f"{r['seq_len']:,}", r["packing"], f"{r['rows']:,}"]
+        + [f"{r[key]:.2f}" if key == "documents_per_row" else f"{r[key]:.1%}" for key in STATISTICS.values()]
+        for r in rows
+    ]
+    lines += markdown_table(["dataset", "seq_len", "packing", "rows", *STATISTICS], table)
+    results: dict = {"bos": args.bos, "packings": rows}
     if args.plan_documents:
         with tempfile.TemporaryDirectory(dir=".") as work:
             for seq_len in seq_lens:
@@ -157,18 +163,26 @@ def benchmark(args, seq_lens: list[int], out: Path, parse_config) -> int:
         lines += [
             "",
             f"Best-fit planning of {args.plan_documents:,} documents (lengths drawn from "
-            f"{args.datasets.split(',')[0]}'s), memory-mapped, in one process:",
+            f"{args.datasets[0]}'s), memory-mapped, in one process:",
             "",
-            "| seq_len | tokens | rows | padding | finding the documents s | planning in all s | peak RSS GB "
-            "| of which the mapped split GB | anonymous memory at the end GB |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
-        for p in results["planning"]:
-            lines.append(
-                f"| {p['seq_len']:,} | {p['tokens']:,} | {p['rows']:,} | {p['padding_share']:.3%} "
-                f"| {p['finding_documents_seconds']:.1f} | {p['seconds']:.1f} | {p['peak_rss_gb']:.2f} "
-                f"| {p['mapped_split_gb']:.2f} | {p['anonymous_gb']:.2f} |"
-            )
+        header = ["seq_len", "tokens", "rows", "padding", "finding the documents s", "planning in all s", "peak RSS GB"]
+        header += ["of which the mapped split GB", "anonymous memory at the end GB"]
+        table = [
+            [
+                f"{p['seq_len']:,}",
+                f"{p['tokens']:,}",
+                f"{p['rows']:,}",
+                f"{p['padding_share']:.3%}",
+                f"{p['finding_documents_seconds']:.1f}",
+                f"{p['seconds']:.1f}",
+                f"{p['peak_rss_gb']:.2f}",
+                f"{p['mapped_split_gb']:.2f}",
+                f"{p['anonymous_gb']:.2f}",
+            ]
+            for p in results["planning"]
+        ]
+        lines += markdown_table(header, table)
     report = "\n".join(lines) + "\n"
     results["report"] = report
     write_atomically(out, json.dumps(results, indent=1))

@@ -35,14 +35,17 @@ import numpy as np
 import tiktoken
 import torch
 
+import checkpoints
 import data
-import run_folder
+import files
+import shards
 import train
-from config import ArgumentParser, Config, ConfigError, expanded_path, resolve_device, run_main
+from config import Config, ConfigError, resolve_device, run_main, script_settings, setting
 from data import Flags
 from model import GPT, attention_mask
 from studies.scoring import score_rows
 from studies.stats import paired_effect
+from studies.tables import markdown_table
 
 IMPORT_LINE = re.compile(r"(?:import|from)[ \t]+([A-Za-z_]\w*)")
 PRECEDING_FILES = (1, 2, 4)  # k: files that import m before B
@@ -109,7 +112,7 @@ def excerpt(f: PythonFile, module: str, extra: int, enc: tiktoken.Encoding) -> l
     """A preceding file: its start (after its BOS, with the marker) up to the end of its import of `module`,
     `extra` tokens more, its EOT."""
     end = f.imports[module]
-    return data.document_opening(enc, f.text[:end]) + enc.encode_ordinary(f.text[end:])[:extra] + [enc.eot_token]
+    return shards.document_opening(enc, f.text[:end]) + enc.encode_ordinary(f.text[end:])[:extra] + [enc.eot_token]
 
 
 def find_pairs(texts: list[str], enc: tiktoken.Encoding, n_pairs: int, seed: int = 0) -> list[LeakPair]:
@@ -164,7 +167,7 @@ def find_pairs(texts: list[str], enc: tiktoken.Encoding, n_pairs: int, seed: int
                 leak_modules={
                     m for m, end in first.imports.items() if end <= first.imports[module] and not mentions(f.text, m)
                 },
-                context=np.array(data.document_opening(enc, "") + own[:n], dtype=np.int64),  # after its BOS, if any
+                context=np.array(shards.document_opening(enc, "") + own[:n], dtype=np.int64),  # after its BOS, if any
                 continuations=[np.array(seq[n:], dtype=np.int64) for seq in joint],
                 preceding=preceding,
                 neutral=np.array(excerpt(neutral, next(iter(neutral.imports)), 0, enc), dtype=np.int64),
@@ -194,25 +197,25 @@ def import_logprob(
     """For each (k, extra), "neutral" and alone (None): per pair, log P("import m" or "from m import") after
     B's context."""
     T = model.config.seq_len
-    settings = [None, "neutral"] + [(k, e) for k in PRECEDING_FILES for e in EXTRA_TOKENS]
+    conditions = [None, "neutral"] + [(k, e) for k in PRECEDING_FILES for e in EXTRA_TOKENS]
     result = {}
-    for setting in settings:
+    for condition in conditions:
         rows, owners = [], []
         for p, pair in enumerate(pairs):
-            if setting is None:
+            if condition is None:
                 before = np.zeros(0, dtype=np.int64)
             else:
-                before = pair.neutral if setting == "neutral" else pair.preceding[setting]
+                before = pair.neutral if condition == "neutral" else pair.preceding[condition]
             start = np.concatenate([before, pair.context])
             if len(start) + max(len(c) for c in pair.continuations) > T + 1:
                 continue  # does not fit in a row
             rows += [(start, c) for c in pair.continuations]
             owners.append(p)
         if not rows:
-            result[setting] = {}
+            result[condition] = {}
             continue
         logp = continuation_logprobs(model, flags, eot_id, rows, device, dtype).reshape(len(owners), -1)
-        result[setting] = dict(zip(owners, np.logaddexp.reduce(logp, axis=1).tolist()))
+        result[condition] = dict(zip(owners, np.logaddexp.reduce(logp, axis=1).tolist()))
     return result
 
 
@@ -333,9 +336,9 @@ def probe(
     }
 
 
-def validation_pairs(shards: data.Shards, enc: tiktoken.Encoding, n_pairs: int) -> list[LeakPair]:
+def validation_pairs(shards: shards.Shards, enc: tiktoken.Encoding, n_pairs: int) -> list[LeakPair]:
     """Up to n_pairs pairs from the validation split's first documents; a DataError when there are not 2."""
-    val = data.leading_documents(shards.val, shards.eot_id, VAL_TOKENS)[:]
+    val = shards.leading_documents(shards.val, shards.eot_id, VAL_TOKENS)[:]
     texts = [enc.decode(val[s : e - 1].tolist()) for s, e in zip(*data.document_bounds(val, shards.eot_id))]
     pairs = find_pairs(texts, enc, n_pairs)
     if len(pairs) < 2:
@@ -348,9 +351,9 @@ def validation_pairs(shards: data.Shards, enc: tiktoken.Encoding, n_pairs: int) 
 
 def probe_run(out_dir: Path, device: torch.device, n_pairs: int = 64, samples: int = 8) -> dict:
     """The probe on a run folder's model, under its settings, with pairs from its validation split."""
-    model, enc, checkpoint = run_folder.load_run(out_dir, device)
+    model, enc, checkpoint = checkpoints.load_run(out_dir, device)
     cfg = Config(**checkpoint["config"])
-    pairs = validation_pairs(data.load_shards(Path(checkpoint["shards"])), enc, n_pairs)
+    pairs = validation_pairs(shards.load_shards(Path(checkpoint["shards"])), enc, n_pairs)
     return probe(model, cfg.flags, enc, pairs, samples, device, cfg.dtype)
 
 
@@ -362,13 +365,18 @@ def format_table(result: dict) -> str:
     lines = [
         f"{result['pairs']} pairs; log P(import m) alone: {result['logprob_alone_mean']:.3f} nats on average",
         "",
-        "| preceding files | extra tokens each | pairs | log-prob change (nats) |",
-        "| --- | --- | --- | --- |",
-    ]
-    for entry in result["logprob"].values():
-        change = "" if entry["delta_logprob"] is None else f"{entry['delta_logprob']:+.3f}{interval(entry['ci95'])}"
-        lines.append(f"| {entry['files']} | {entry['extra_tokens']} | {entry['pairs']} | {change} |")
-    lines += [
+        *markdown_table(
+            ["preceding files", "extra tokens each", "pairs", "log-prob change (nats)"],
+            [
+                [
+                    e["files"],
+                    e["extra_tokens"],
+                    e["pairs"],
+                    "" if e["delta_logprob"] is None else f"{e['delta_logprob']:+.3f}{interval(e['ci95'])}",
+                ]
+                for e in result["logprob"].values()
+            ],
+        ),
         "",
         f"sampled import lines naming a module of the file before: {s['leak_rate_after']:.1%} with it before, "
         f"{s['leak_rate_alone']:.1%} alone (difference {s['difference']:+.3f}{interval(s['ci95'])}; "
@@ -378,27 +386,21 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class LeakSettings:
+    out_dir: str = setting("out", "the training run's folder (holds ckpt.pt)", path=True)
+    pairs: int = setting(64, "pairs (A, B) at most, from the validation split", minimum=1)
+    samples: int = setting(8, "import lines sampled per pair and condition", minimum=1)
+    device: str = setting("cpu", "cpu, cuda or cuda:N")
+
+
 def main(argv: list[str]) -> int:
-    parser = ArgumentParser(description=__doc__)
-    parser.add_argument(
-        "--out_dir", default="out", type=expanded_path, help="the training run's folder (holds ckpt.pt)"
-    )
-    parser.add_argument("--pairs", type=int, default=64, help="pairs (A, B) at most, from the validation split")
-    parser.add_argument("--samples", type=int, default=8, help="import lines sampled per pair and condition")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    args = parser.parse_args(argv)
-    for name in ("pairs", "samples"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name}={getattr(args, name)}: must be at least 1")
+    args = script_settings(LeakSettings, argv, __doc__, "python -m studies.import_leak")
     try:
         result = probe_run(Path(args.out_dir), resolve_device(args.device), args.pairs, args.samples)
-    except (ConfigError, data.DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(format_table(result))
-    try:
-        run_folder.write_atomically(Path(args.out_dir) / "import_leak.json", json.dumps(result, indent=1))
-    except run_folder.SaveFailed as e:
+        print(format_table(result))
+        files.write_atomically(Path(args.out_dir) / "import_leak.json", json.dumps(result, indent=1))
+    except (ConfigError, data.DataError, files.SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

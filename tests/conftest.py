@@ -74,12 +74,12 @@ def reference_semantics(x: list[int], y: list[int], eot: int) -> tuple[list[int]
 
 def rewrite_checkpoint(path: Path, change, to: Path | None = None) -> None:
     """A checkpoint with `change(state)` applied and its digest written anew: a deliberate edit, which
-    run_folder then reads as a valid checkpoint (an edit without a new digest is refused as damage)."""
+    checkpoints then reads as a valid checkpoint (an edit without a new digest is refused as damage)."""
     import torch
 
-    import run_folder
+    import checkpoints
 
     state = torch.load(path, map_location="cpu", weights_only=False)
     state.pop("content_sha256", None)
     change(state)
-    run_folder.save_checkpoint(to or path, state)
+    checkpoints.save_checkpoint(to or path, state)

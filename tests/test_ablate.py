@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT
 
 from config import Config, ConfigError
-from studies import ablate, stats
+from studies import ablate, plan, report, stats
 
 
 @pytest.mark.parametrize(
@@ -20,30 +20,30 @@ from studies import ablate, stats
     ["ablate_cpu.toml", "ablate_cpu_stage2.toml", "ablate_gpu.toml", "import_leak_cpu.toml", "import_leak_gpu.toml"],
 )
 def test_shipped_study_configs_parse(name):
-    study, train_args = ablate.parse_args([str(ROOT / "configs" / name), "--seeds=5", "--max_iters=7"])
-    assert study.seeds == 5 and "--max_iters=7" in train_args
+    study, base = plan.parse_args([str(ROOT / "configs" / name), "--seeds=5", "--max_iters=7"])
+    assert study.seeds == 5 and base.max_iters == 7
 
 
 def test_the_confirmatory_study_is_the_one_preregistered():
-    study, _ = ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml")])
+    study, _ = plan.parse_args([str(ROOT / "configs/ablate_cpu.toml")])
     assert (study.first_seed, study.early_band, study.middle_band) == (3, [0, 16], [16, 64])
     assert (study.margin_band, study.margin_doc_loss) == (0.02, 0.03)
-    seeds = ablate.seeds_of_cells(study)
+    seeds = plan.seeds_of_cells(study)
     assert seeds["learned", "no_mask_boundary_loss"] == list(range(3, 15)) == seeds["rope", "reference"]
     assert len(seeds["rope", "no_reset_position_ids"]) == 2 and len(seeds["learned", "no_reset_position_ids"]) == 4
 
 
 def test_the_second_stage_is_the_one_preregistered_on_seeds_the_first_did_not_use():
-    first, _ = ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml")])
-    second, second_args = ablate.parse_args([str(ROOT / "configs/ablate_cpu_stage2.toml")])
-    assert ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml")])[1] == second_args  # same training
+    first, _ = plan.parse_args([str(ROOT / "configs/ablate_cpu.toml")])
+    second, second_base = plan.parse_args([str(ROOT / "configs/ablate_cpu_stage2.toml")])
+    assert plan.parse_args([str(ROOT / "configs/ablate_cpu.toml")])[1] == second_base  # same training
     for key in ("early_band", "middle_band", "margin_band", "margin_doc_loss", "invariance_tolerance", "probe_docs"):
         assert getattr(first, key) == getattr(second, key), key
-    seeds = ablate.seeds_of_cells(second)
+    seeds = plan.seeds_of_cells(second)
     assert set(seeds) == {("learned", v) for v in ("reference", "no_reset_position_ids", "no_mask_boundary_loss")}
     assert seeds["learned", "no_reset_position_ids"] == list(range(15, 39))
     assert seeds["learned", "no_mask_boundary_loss"] == list(range(15, 55)) == seeds["learned", "reference"]
-    used_before = {s for cell in ablate.seeds_of_cells(first).values() for s in cell}
+    used_before = {s for cell in plan.seeds_of_cells(first).values() for s in cell}
     assert used_before == set(range(3, 15)) and not used_before & set(seeds["learned", "reference"])
 
 
@@ -64,43 +64,50 @@ def test_bad_study_settings_are_one_clear_error(tmp_path):
     ):
         config.write_text(f"[ablate]\n{table}\n")
         with pytest.raises(ConfigError, match=re.escape(message)):
-            ablate.parse_args([str(config)])
+            plan.parse_args([str(config)])
     with pytest.raises(ConfigError, match="seeds='x': expected int"):
-        ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--seeds=x"])
+        plan.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--seeds=x"])
     with pytest.raises(ConfigError, match="unknown config key 'n_layers'"):
-        ablate.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--n_layers=3"])
+        plan.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--n_layers=3"])
+
+
+def test_a_report_is_not_rebuilt_from_a_file_that_lacks_the_runs(tmp_path):
+    old = tmp_path / "results.json"
+    old.write_text(json.dumps({"summary": {}, "runs": {}}))
+    assert report.main([str(old)]) == 1
+    assert report.main([str(tmp_path / "none.json")]) == 1
 
 
 def test_help_lists_the_study_keys(capsys):
     assert ablate.main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert all(f"--{key}=" in out for key in ablate.STUDY_KEYS)
+    assert all(f"--{key}=" in out for key in plan.STUDY_KEYS)
 
 
 def test_seeds_per_cell_and_a_random_order_within_each_seed():
-    study = ablate.Study(seeds=3, seeds_by_variant={"no_mask_boundary_loss": 4}, invariance_seeds=2, first_seed=10)
+    study = plan.Study(seeds=3, seeds_by_variant={"no_mask_boundary_loss": 4}, invariance_seeds=2, first_seed=10)
     study.validate()
-    seeds = ablate.seeds_of_cells(study)
+    seeds = plan.seeds_of_cells(study)
     assert seeds["learned", "reference"] == [10, 11, 12, 13] == seeds["rope", "reference"]  # every seed used
     assert seeds["rope", "no_reset_position_ids"] == [10, 11] and seeds["learned", "no_reset_position_ids"] == [
         10,
         11,
         12,
     ]
-    order = ablate.run_order(seeds)
+    order = plan.run_order(seeds)
     assert len(order) == sum(len(s) for s in seeds.values()) == len(set(order))
     assert [s for *_, s in order] == sorted(s for *_, s in order)  # seed by seed
     first_two = [[cell for *cell, s in order if s == seed] for seed in (10, 11)]
     assert sorted(first_two[0]) == sorted(first_two[1]) and first_two[0] != first_two[1]  # shuffled per seed
-    assert order == ablate.run_order(seeds)  # ...the same way on a rerun
+    assert order == plan.run_order(seeds)  # ...the same way on a rerun
 
 
 def test_theory_says_where_nothing_can_change():
-    assert ablate.predicted_invariant("rope", "no_reset_position_ids")
-    assert not ablate.predicted_invariant("learned", "no_reset_position_ids")
-    assert ablate.probes_invariant("rope", "no_reset_position_ids") and ablate.probes_invariant("learned", "pad")
-    assert not ablate.probes_invariant("learned", "no_reset_position_ids")
-    assert not ablate.probes_invariant("rope", "no_doc_mask") and not ablate.probes_invariant("rope", "naive")
+    assert plan.predicted_invariant("rope", "no_reset_position_ids")
+    assert not plan.predicted_invariant("learned", "no_reset_position_ids")
+    assert plan.probes_invariant("rope", "no_reset_position_ids") and plan.probes_invariant("learned", "pad")
+    assert not plan.probes_invariant("learned", "no_reset_position_ids")
+    assert not plan.probes_invariant("rope", "no_doc_mask") and not plan.probes_invariant("rope", "naive")
 
 
 def fake_result(early: float, middle: float, doc_loss: float, offset_effect: float = 0.0, contamination: float = 0.0):
@@ -122,13 +129,13 @@ def fake_result(early: float, middle: float, doc_loss: float, offset_effect: flo
 
 def test_band_loss_is_token_weighted():
     result = {"val_doc_loss_sum_by_position": [4.0, 9.0, 1.0], "val_doc_count_by_position": [2, 3, 1]}
-    assert ablate.band_loss(result, [0, 2]) == pytest.approx(13 / 5) and ablate.band_loss(result, [2, 3]) == 1.0
+    assert report.band_loss(result, [0, 2]) == pytest.approx(13 / 5) and report.band_loss(result, [2, 3]) == 1.0
 
 
 def test_verdicts_on_known_results():
     """Seeds 0-5 of each cell: noise of sd ~0.01 around a planted effect."""
     rng = np.random.default_rng(0)
-    study = ablate.Study(variants=["reference", "no_doc_mask", "no_reset_position_ids", "no_mask_boundary_loss"])
+    study = plan.Study(variants=["reference", "no_doc_mask", "no_reset_position_ids", "no_mask_boundary_loss"])
     runs = {}
     for pos in ("learned", "rope"):
         runs[pos] = {}
@@ -151,7 +158,7 @@ def test_verdicts_on_known_results():
                     offset_effect=0.02 + 0.01 * rng.normal() if leak else 0.0,
                     contamination=0.03 if leak else 0.0,
                 )
-    summary = ablate.summarise(runs, study, [1, 32, 64])
+    summary = report.summarise(runs, study, [1, 32, 64])
     verdict = {key: {n: e.get("verdict") for n, e in cell["endpoints"].items()} for key, cell in summary.items()}
     assert verdict["learned/no_doc_mask"]["early"] == verdict["rope/no_doc_mask"]["early"] == "hurts"
     assert verdict["learned/no_reset_position_ids"]["early"] == "hurts"
@@ -168,20 +175,20 @@ def test_verdicts_on_known_results():
     # a noisy cell with too few seeds stays unresolved
     for seed in range(6):
         runs["learned"]["no_mask_boundary_loss"][seed]["val_doc_loss"] += [0.1, -0.1, 0.05, 0.0, -0.02, 0.08][seed]
-    noisy = ablate.summarise(runs, study, [1, 32, 64])["learned/no_mask_boundary_loss"]["endpoints"]["val_doc_loss"]
+    noisy = report.summarise(runs, study, [1, 32, 64])["learned/no_mask_boundary_loss"]["endpoints"]["val_doc_loss"]
     assert noisy["verdict"] == "unresolved"
 
 
 def test_a_variant_is_compared_with_its_own_baseline_seed_by_seed():
     """The boundary mask without the start marker is compared with the run without the marker (no_bos), not
     with the reference: an effect planted against no_bos is found whatever the reference does."""
-    study = ablate.Study(
+    study = plan.Study(
         pos_embs=["rope"],
         variants=["reference", "no_bos", "no_bos_no_mask_boundary_loss"],
         seeds=4,
         primary={"no_bos": ["early"], "no_bos_no_mask_boundary_loss": ["val_doc_loss"]},
     )
-    assert ablate.seeds_of_cells(study)[("rope", "no_bos")] == [0, 1, 2, 3]
+    assert plan.seeds_of_cells(study)[("rope", "no_bos")] == [0, 1, 2, 3]
     rng = np.random.default_rng(1)
     runs = {"rope": {"reference": {}, "no_bos": {}, "no_bos_no_mask_boundary_loss": {}}}
     for seed in range(4):
@@ -189,7 +196,7 @@ def test_a_variant_is_compared_with_its_own_baseline_seed_by_seed():
         runs["rope"]["reference"][seed] = fake_result(base, base, base - 1.0)  # far from both: must not matter
         runs["rope"]["no_bos"][seed] = fake_result(base + 0.2, base, base)
         runs["rope"]["no_bos_no_mask_boundary_loss"][seed] = fake_result(base + 0.2, base, base - 0.05 + 1e-3 * seed)
-    summary = ablate.summarise(runs, study, [1, 32, 64])
+    summary = report.summarise(runs, study, [1, 32, 64])
     boundary = summary["rope/no_bos_no_mask_boundary_loss"]
     assert boundary["baseline"] == "no_bos"
     assert boundary["endpoints"]["val_doc_loss"]["estimate"] == pytest.approx(-0.05 + 1.5e-3)
@@ -213,10 +220,10 @@ def test_a_variant_is_compared_with_its_own_baseline_seed_by_seed():
     ],
 )
 def test_a_study_the_settings_make_impossible_is_refused(table, settings, message):
-    study = ablate.Study(**table)
+    study = plan.Study(**table)
     study.validate()
     with pytest.raises(ConfigError, match=re.escape(message)):
-        ablate.check_against(study, Config(seq_len=1024, **settings))
+        plan.check_against(study, Config(seq_len=1024, **settings))
 
 
 @pytest.mark.parametrize(
@@ -232,12 +239,12 @@ def test_a_study_the_settings_make_impossible_is_refused(table, settings, messag
 )
 def test_study_tables_that_ask_for_nothing_are_refused(table, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        ablate.Study(**table).validate()
+        plan.Study(**table).validate()
 
 
 def test_an_endpoint_without_scored_targets_is_not_a_number_but_absent():
     result = fake_result(5.0, 5.0, 5.0)
-    values = ablate.endpoints(result, ablate.Study(late_band=[100, 200]), [1, 32, 64])
+    values = report.endpoints(result, plan.Study(late_band=[100, 200]), [1, 32, 64])
     assert "late" not in values and "first_token" not in values and values["early"] == 5.0
 
 
@@ -285,17 +292,17 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
     study = tmp_path / "study"
     report = json.loads((study / "results.json").read_text())
     summary, runs = report["summary"], report["runs"]
-    assert sorted(summary) == sorted(f"{p}/{v}" for p in ablate.POSITION_KINDS for v in ablate.Study().variants)
+    assert sorted(summary) == sorted(f"{p}/{v}" for p in plan.POSITION_KINDS for v in plan.Study().variants)
     assert summary["learned/reference"]["seeds"] == [0, 1, 2] and summary["learned/naive"]["seeds"] == [0, 1]
     assert summary["rope/no_reset_position_ids"]["seeds"] == [0, 1]
     assert_holm_decided(summary, expected_family=11)  # rope/no_reset_position_ids is checked, not tested
     assert summary["rope/no_reset_position_ids"]["endpoints"]["early"]["role"] == "invariant"
     # with the document mask and position reset, what precedes a document changes nothing...
-    for pos in ablate.POSITION_KINDS:
+    for pos in plan.POSITION_KINDS:
         contamination = summary[f"{pos}/reference"]["endpoints"]["contamination"]
         assert contamination["verdict"] == "invariant" and contamination["max_abs_difference"] < 1e-4
     # a run's own start after one EOT is, with the mask, the same as the document alone (its first target aside)
-    for pos in ablate.POSITION_KINDS:
+    for pos in plan.POSITION_KINDS:
         run = runs[pos]["reference"]["0"]
         after, n = run["start_after_eot"], len(run["start_after_eot"]["count_by_position"]) - 1
         assert after["count_by_position"][:n] == run["val_doc_count_by_position"][:n] and n > 30
@@ -312,11 +319,17 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
     assert markdown.count("\n| learned | ") == 6 and markdown.count("\n| rope | ") == 6 and markdown in result.stdout
     for figure in ("effects.png", "loss_by_position.png", "offset_probe.png"):
         assert (study / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the report is rebuilt from results.json alone, the verdicts computed again from the saved runs
+    (study / "results.md").unlink()
+    rebuilt = subprocess.run(
+        [sys.executable, "-m", "studies.report", str(study / "results.json")], cwd=ROOT, capture_output=True, text=True
+    )
+    assert rebuilt.returncode == 0 and (study / "results.md").read_text() == markdown, rebuilt.stderr[-2000:]
     again = subprocess.run(
         [sys.executable, "-m", "studies.ablate", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert again.returncode == 0 and again.stdout.count("(finished before: skipped)") == len(
-        ablate.run_order(ablate.seeds_of_cells(ablate.parse_args([str(config)])[0]))
+        plan.run_order(plan.seeds_of_cells(plan.parse_args([str(config)])[0]))
     )
     changed = subprocess.run(
         [sys.executable, "-m", "studies.ablate", str(config), "--eval_tokens=256"],
@@ -330,33 +343,33 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
 def test_a_pad_run_gets_the_steps_for_as_many_real_tokens_and_keeps_the_rest():
     """Documents of 3, 5 and 17 tokens (EOT included) at seq_len 8 give pad rows of 3, 5, 9 and 9 tokens, so
     8, 8 and 8 of their inputs are real out of 3, 5, 8 and 8: the factor is 8 / 6."""
-    from data import Shards
+    from shards import Shards
 
     stream = np.concatenate([np.append(np.ones(n - 1, dtype=np.uint16), 63) for n in (3, 5, 17)])
     factor = ablate.pad_steps_factor(Shards(meta={"eot_id": 63}, train=stream, val=stream), 8)
     assert factor == pytest.approx(8 / 6)
-    args = ["--seq_len=8", "--max_iters=30", "--warmup_iters=0", "--eval_interval=10", "--eval_tokens=-1"]
-    reference = ablate.run_config(args, "learned", "reference", 0, Path("r"), factor)
-    pad = ablate.run_config(args, "learned", "pad", 0, Path("p"), factor)
+    args = Config(seq_len=8, max_iters=30, warmup_iters=0, eval_interval=10, eval_tokens=-1)
+    reference = plan.run_config(args, "learned", "reference", 0, Path("r"), factor)
+    pad = plan.run_config(args, "learned", "pad", 0, Path("p"), factor)
     assert (pad.max_iters, pad.eval_interval, pad.warmup_iters) == (40, 13, 0)  # no warmup stays none
     assert pad.eval_tokens == reference.eval_tokens > 0  # the same documents, fixed before the stretch
 
 
 def test_a_baseline_runs_every_seed_of_what_is_compared_with_it():
-    study = ablate.Study(
+    study = plan.Study(
         pos_embs=["rope"],
         variants=["reference", "no_bos", "no_bos_no_mask_boundary_loss"],
         seeds=2,
         seeds_by_variant={"no_bos_no_mask_boundary_loss": 5},
     )
-    seeds = ablate.seeds_of_cells(study)
+    seeds = plan.seeds_of_cells(study)
     assert seeds[("rope", "no_bos")] == seeds[("rope", "reference")] == [0, 1, 2, 3, 4]
 
 
 def test_a_cells_interval_and_p_value_are_the_paired_t_tests():
     from scipy.stats import ttest_rel
 
-    study = ablate.Study(pos_embs=["learned"], variants=["reference", "no_doc_mask"], seeds=5)
+    study = plan.Study(pos_embs=["learned"], variants=["reference", "no_doc_mask"], seeds=5)
     own = [5.31, 5.42, 5.27, 5.39, 5.35]
     base = [5.30, 5.36, 5.29, 5.31, 5.33]
     runs = {
@@ -365,7 +378,7 @@ def test_a_cells_interval_and_p_value_are_the_paired_t_tests():
             "no_doc_mask": {s: fake_result(v, v, v) for s, v in enumerate(own)},
         }
     }
-    entry = ablate.summarise(runs, study, [1, 32, 64])["learned/no_doc_mask"]["endpoints"]["early"]
+    entry = report.summarise(runs, study, [1, 32, 64])["learned/no_doc_mask"]["endpoints"]["early"]
     expected = ttest_rel(own, base)
     assert entry["p_difference"] == pytest.approx(expected.pvalue, rel=1e-9) and entry["df"] == 4
     low, high = expected.confidence_interval(0.95)

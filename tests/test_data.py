@@ -15,12 +15,12 @@ import torch
 from conftest import ROOT, make_documents
 
 import corpora
-import data
 import prepare
-from data import BOS_TEXT, EOT_TEXT, DataError, PackedBatches, TokenStream
-from prepare import PrepareSettings
+from config import Config
+from data import DataError, PackedBatches
+from shards import BOS_TEXT, EOT_TEXT, TokenStream, load_shards, load_tokenizer, start_marker_id, tiktoken_encoding
 
-SMALL = PrepareSettings(vocab_size=300, val_fraction=0.25)
+SMALL = Config(tokenizer_vocab_size=300, val_fraction=0.25)
 QUIET = dict(log=lambda *_: None)
 
 
@@ -29,7 +29,7 @@ def write_jsonl(path, docs: list[str], field: str = "text") -> str:
     return str(path)
 
 
-def prepare_docs(tmp_path, docs: list[str], name: str = "c.jsonl", settings: PrepareSettings = SMALL):
+def prepare_docs(tmp_path, docs: list[str], name: str = "c.jsonl", settings: Config = SMALL):
     return prepare.prepare(write_jsonl(tmp_path / name, docs), str(tmp_path / "data"), settings, **QUIET)
 
 
@@ -39,7 +39,7 @@ def documents(dataset: str, **kw) -> tuple[list[str], Counter]:
 
 
 def decoded_documents(path, split: str) -> list[str]:
-    shards, enc = data.load_shards(path), data.load_tokenizer(path)
+    shards, enc = load_shards(path), load_tokenizer(path)
     stream = getattr(shards, split)[:]
     ends = np.flatnonzero(stream == shards.eot_id)
     starts = np.concatenate([[0], ends[:-1] + 1])
@@ -63,7 +63,7 @@ def test_prepare_round_trips_every_document_and_splits_by_the_hash_rule(tmp_path
     train, val = decoded_documents(path, "train"), decoded_documents(path, "val")
     assert sorted(train + val) == sorted(docs)
     # the rule: a document is in val when its seeded hash draw is below val_fraction
-    assert sorted(val) == sorted(d for d in docs if spec_key(d, SMALL.seed)[1] < 0.25)
+    assert sorted(val) == sorted(d for d in docs if spec_key(d, SMALL.data_seed)[1] < 0.25)
     assert 0 < len(val) < 40
     meta = json.loads((path / "meta.json").read_text())
     assert meta["splits"]["train"]["documents"] == len(train) and meta["eot_id"] == meta["vocab_size"] - 1 <= 299
@@ -74,14 +74,14 @@ def test_stream_order_is_a_seeded_shuffle_by_hash(tmp_path):
     docs = [f"doc {i:03d} " + "x " * (i % 7) for i in range(60)]
     path = prepare_docs(tmp_path, docs)
     train = decoded_documents(path, "train")
-    keys = [spec_key(d, SMALL.seed)[0] for d in train]
+    keys = [spec_key(d, SMALL.data_seed)[0] for d in train]
     assert keys == sorted(keys) and train != sorted(train)  # ordered by key, which is not file order
 
 
 def test_literal_endoftext_in_a_document_stays_text(tmp_path):
     docs = [f"a {EOT_TEXT} b"] * 1 + [f"doc {i}" for i in range(15)]
     path = prepare_docs(tmp_path, docs)
-    shards = data.load_shards(path)
+    shards = load_shards(path)
     n_eot = int((shards.train[:] == shards.eot_id).sum() + (shards.val[:] == shards.eot_id).sum())
     assert n_eot == 16  # one per document, none from the literal text
     assert f"a {EOT_TEXT} b" in decoded_documents(path, "train") + decoded_documents(path, "val")
@@ -90,8 +90,8 @@ def test_literal_endoftext_in_a_document_stays_text(tmp_path):
 def test_a_literal_bos_text_stays_text_and_the_marker_enters_when_rows_are_built(tmp_path):
     docs = [f"x {BOS_TEXT} y"] + [f"doc {i}" for i in range(15)]
     path = prepare_docs(tmp_path, docs)
-    shards = data.load_shards(path)
-    bos = data.start_marker_id(data.load_tokenizer(path))
+    shards = load_shards(path)
+    bos = start_marker_id(load_tokenizer(path))
     assert bos == shards.vocab_size  # one past the EOT of a BPE trained here
     assert f"x {BOS_TEXT} y" in decoded_documents(path, "train") + decoded_documents(path, "val")
     stream = np.concatenate([shards.train[:], shards.val[:]])
@@ -102,9 +102,9 @@ def test_a_literal_bos_text_stays_text_and_the_marker_enters_when_rows_are_built
 
 def test_a_tokenizer_that_holds_the_marker_text_as_a_token_cannot_take_the_marker():
     ranks = {bytes([b]): b for b in range(256)} | {BOS_TEXT.encode(): 256}
-    enc = data.tiktoken_encoding(ranks, prepare.SPLIT_PATTERN, "odd")
+    enc = tiktoken_encoding(ranks, prepare.SPLIT_PATTERN, "odd")
     with pytest.raises(DataError, match=r"holds '<\|bos\|>' as an ordinary token \(id 256\).*use bos=false"):
-        data.start_marker_id(enc)
+        start_marker_id(enc)
 
 
 def test_preparation_is_deterministic(tmp_path):
@@ -331,7 +331,7 @@ def test_many_buckets_and_flushes_give_the_same_shards_as_one(tmp_path, monkeypa
     for name in ("train_000000.bin", "val_000000.bin"):
         assert (one / name).read_bytes() == (many / name).read_bytes(), name
     train_docs = decoded_documents(many, "train")
-    keys = [spec_key(d, SMALL.seed)[0] for d in train_docs]
+    keys = [spec_key(d, SMALL.data_seed)[0] for d in train_docs]
     assert keys == sorted(keys) and len(train_docs) > 150
 
 
@@ -340,7 +340,7 @@ def test_small_shards_give_the_same_stream_and_batches_as_one_shard(tmp_path, mo
     one = prepare_docs(tmp_path, docs)
     monkeypatch.setattr(prepare, "SHARD_TOKENS", 997)  # a prime: rows and documents cross shard ends anywhere
     many = prepare.prepare(str(tmp_path / "c.jsonl"), str(tmp_path / "data_small"), SMALL, **QUIET)
-    a, b = data.load_shards(one), data.load_shards(many)
+    a, b = load_shards(one), load_shards(many)
     assert len(b.train.parts) > 3 and np.array_equal(a.train[:], b.train[:])
     for packing, bos_id in [("concat", None), ("pad", None), ("bestfit", None), ("bestfit", a.vocab_size)]:
         x = PackedBatches(a.train, a.eot_id, 64, 8, packing, bos_id=bos_id, seed=5)
@@ -355,14 +355,14 @@ def test_truncated_shard_is_detected_and_named(tmp_path):
     with open(path / "train_000000.bin", "r+b") as f:
         f.truncate(os.path.getsize(path / "train_000000.bin") - 2)
     with pytest.raises(DataError, match="train_000000.bin is truncated"):
-        data.load_shards(path)
+        load_shards(path)
 
 
 def test_tokenizer_mismatch_is_detected(tmp_path):
     path = prepare_docs(tmp_path, [f"doc {i} text" for i in range(20)])
     (path / "tokenizer.tiktoken").write_text((path / "tokenizer.tiktoken").read_text().replace(" 0\n", " 1\n", 1))
     with pytest.raises(DataError, match="does not match"):
-        data.load_shards(path)
+        load_shards(path)
 
 
 # ---- staleness: a changed corpus is prepared again, the same corpus never
@@ -417,7 +417,7 @@ def test_appended_documents_leave_every_split_assignment_alone(tmp_path):
 
 def test_a_prepared_folder_is_a_dataset(tmp_path):
     path = prepare_docs(tmp_path, make_documents(30))
-    assert prepare.prepare(str(path), str(tmp_path / "elsewhere"), PrepareSettings(), **QUIET) == path
+    assert prepare.prepare(str(path), str(tmp_path / "elsewhere"), Config(), **QUIET) == path
 
 
 def test_a_corpus_folder_holding_the_runs_own_outputs_skips_them(tmp_path):
@@ -437,17 +437,17 @@ def test_a_corpus_folder_holding_the_runs_own_outputs_skips_them(tmp_path):
 
 def test_bpe_trains_on_a_bounded_deterministic_sample_of_training_documents(tmp_path):
     docs = make_documents(8000, seed=4)  # about 1.4M characters
-    settings = PrepareSettings(vocab_size=300, val_fraction=0.25, tokenizer_train_mb=1)
+    settings = Config(tokenizer_vocab_size=300, val_fraction=0.25, tokenizer_train_mb=1)
     path = prepare_docs(tmp_path, docs, settings=settings)
     trained_on = json.loads((path / "meta.json").read_text())["tokenizer_trained_on"]
     train_chars = sum(map(len, decoded_documents(path, "train")))
     assert 900_000 < trained_on["characters"] <= 1_000_000 < train_chars
     sample = prepare._tokenizer_sample(corpora.resolve_dataset(str(tmp_path / "c.jsonl")), settings, 0, lambda *_: None)
     assert sum(map(len, sample)) == trained_on["characters"]
-    keys = [spec_key(d, settings.seed) for d in sample]
+    keys = [spec_key(d, settings.data_seed) for d in sample]
     assert all(draw >= 0.25 for _, draw in keys)  # training documents only
     assert [k for k, _ in keys] == sorted(k for k, _ in keys)  # in key order
-    train_keys = sorted(spec_key(d, settings.seed)[0] for d in decoded_documents(path, "train"))
+    train_keys = sorted(spec_key(d, settings.data_seed)[0] for d in decoded_documents(path, "train"))
     assert [k for k, _ in keys] == train_keys[: len(keys)]  # the smallest keys of the training documents
 
 
@@ -468,7 +468,7 @@ def test_interrupted_preparation_leaves_no_valid_looking_shards(tmp_path, monkey
     assert [p.name for p in (tmp_path / "data").iterdir() if not p.name.endswith(".lock")] == []
     monkeypatch.setattr(prepare, "_encode_batch", real_encode)
     path = prepare_docs(tmp_path, docs)
-    assert data.load_shards(path).meta["splits"]["val"]["documents"] > 0
+    assert load_shards(path).meta["splits"]["val"]["documents"] > 0
 
 
 def test_leftovers_of_a_killed_preparation_are_removed(tmp_path):
@@ -516,8 +516,8 @@ def test_data_command_prepares_and_reports(tmp_path):
 
 def test_progress_prints_rates_and_eta_as_plain_lines_off_a_terminal():
     lines = []
-    progress = prepare.Progress("encoding", total_bytes=1000, log=lines.append, every=0)
-    progress.update(n_bytes=250, documents=10, tokens=400)
+    progress = prepare.preparation_progress("encoding", 1000, lines.append, every=0)
+    progress.advance(250, documents=10, tokens=400)
     assert len(lines) == 1
     assert all(part in lines[0] for part in ("encoding", "25.0%", "docs/s", "M tok/s", "ETA"))
 

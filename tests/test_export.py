@@ -12,13 +12,14 @@ import torch
 import transformers
 from conftest import rewrite_checkpoint, tiny_args
 
+import checkpoints
 import data
 import export_hf
-import run_folder
+import files
 import sample
 import train
 from config import Config, parse_config
-from data import BOS_TEXT, EOT_TEXT, decoded, document_opening
+from shards import BOS_TEXT, EOT_TEXT, decoded, document_opening, leading_documents, load_shards
 
 pytestmark = pytest.mark.slow  # every test here trains a model first
 
@@ -42,8 +43,8 @@ def exported(run, tmp_path_factory):
 
 
 def ours(run):
-    state = run_folder.read_checkpoint(run / "ckpt.pt")
-    return run_folder.trained_model(state, torch.device("cpu")), run_folder.checkpoint_tokenizer(state), state
+    state = checkpoints.read_checkpoint(run / "ckpt.pt")
+    return checkpoints.trained_model(state, torch.device("cpu")), checkpoints.checkpoint_tokenizer(state), state
 
 
 def test_the_folder_loads_offline_with_the_auto_classes(exported, run):
@@ -122,10 +123,10 @@ def test_the_exports_log_likelihood_of_a_document_is_the_runs_loss_of_it_alone(e
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     cfg = Config(**state["config"])
-    shards = data.load_shards(state["shards"])
-    val = data.leading_documents(shards.val, shards.eot_id, cfg.eval_tokens)
+    shards = load_shards(state["shards"])
+    val = leading_documents(shards.val, shards.eot_id, cfg.eval_tokens)
     starts, ends = data.document_bounds(val, shards.eot_id)
-    logged = [r for _, r in run_folder.read_metrics(run / "metrics.jsonl") if "val_doc_loss" in r][-1]
+    logged = [r for _, r in files.read_metrics(run / "metrics.jsonl") if "val_doc_loss" in r][-1]
     checked = 0
     for i, (s, e) in enumerate(zip(starts, ends)):
         ids = tokenizer(enc.decode(val[s : e - 1].tolist()))["input_ids"] + [tokenizer.eos_token_id]

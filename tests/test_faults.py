@@ -23,18 +23,18 @@ import pytest
 import torch
 from conftest import ROOT, make_documents, tiny_args
 
+import checkpoints
 import corpora
-import data
+import files
 import prepare
-import run_folder
 import sample
+import shards
 import train
-from config import ConfigError, parse_config
+from config import Config, ConfigError, parse_config
 from data import DataError
 from model import GPT, GPTConfig
-from prepare import PrepareSettings
 
-SMALL = PrepareSettings(vocab_size=300)
+SMALL = Config(tokenizer_vocab_size=300)
 QUIET = dict(log=lambda *_: None)
 FAULT_CASES: dict[str, int] = {}
 
@@ -143,21 +143,21 @@ def prepared(tmp_path):
     return prepare.prepare(str(corpus), str(tmp_path / "data"), SMALL, **QUIET)
 
 
-@pytest.mark.parametrize("missing", data.PREPARED_FILES)
+@pytest.mark.parametrize("missing", shards.PREPARED_FILES)
 def test_a_prepared_folder_that_lacks_a_file_is_refused_not_read_as_text(prepared, missing):
     (prepared / missing).unlink()
     with pytest.raises(DataError, match=f"incomplete preparation|{missing} is missing"):
-        data.load_shards(prepare.prepare(str(prepared), str(prepared.parent.parent / "other"), SMALL, **QUIET))
+        shards.load_shards(prepare.prepare(str(prepared), str(prepared.parent.parent / "other"), SMALL, **QUIET))
     tried("damaged data folder")
 
 
-@pytest.mark.parametrize("key", data.META_KEYS)
+@pytest.mark.parametrize("key", shards.META_KEYS)
 def test_a_meta_json_without_a_key_is_named(prepared, key):
     meta = json.loads((prepared / "meta.json").read_text())
     del meta[key]
     (prepared / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(DataError, match=f"meta.json lacks {key}"):
-        data.load_shards(prepared)
+        shards.load_shards(prepared)
     tried("damaged data folder")
 
 
@@ -199,9 +199,9 @@ def test_a_tokenizer_smaller_than_asked_says_so_and_its_folder_says_its_size(tmp
     corpus = tmp_path / "tiny.jsonl"
     corpus.write_bytes(jsonl_bytes(["abc abd", "bcd bce", "cde"] * 3 + [f"x{i}" for i in range(5)]))
     said = []
-    settings = PrepareSettings(vocab_size=5000, val_fraction=0.3)
+    settings = Config(tokenizer_vocab_size=5000, val_fraction=0.3)
     path = prepare.prepare(str(corpus), str(tmp_path / "data"), settings, log=said.append)
-    real = data.load_shards(path).meta["vocab_size"]
+    real = shards.load_shards(path).meta["vocab_size"]
     assert real < 5000 and path.name.split("-")[1] == f"bpe{real}"
     assert any(f"only {real:,} tokens" in line and "5,000" in line for line in said)
     assert prepare.prepare(str(corpus), str(tmp_path / "data"), settings, log=said.append) == path  # found again
@@ -346,7 +346,7 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line_and_the_run_resumes_by_its_na
 def test_resuming_by_name_keeps_the_saved_settings_and_names_what_may_not_change(reference_run, tmp_path, monkeypatch):
     args, uninterrupted = reference_run
     out = tmp_path / "run"
-    monkeypatch.setattr(run_folder.StopRequest, "agreed", lambda self, step, every, device: step == 6)  # Ctrl-C
+    monkeypatch.setattr(train.StopRequest, "agreed", lambda self, step, every, device: step == 6)  # Ctrl-C
     train.train(parse_config(args(out)))
     monkeypatch.undo()
     cfg = parse_config([f"--out_dir={out}", "--resume=true"])
@@ -467,7 +467,7 @@ def test_a_corpus_where_the_config_file_goes_says_to_use_dataset(tmp_path):
 
 
 def test_a_leading_tilde_is_the_home_folder_for_every_path(tmp_path, monkeypatch):
-    from studies import ablate
+    from studies import plan
 
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "c.toml").write_text('data_dir = "~/d"\n')
@@ -476,7 +476,7 @@ def test_a_leading_tilde_is_the_home_folder_for_every_path(tmp_path, monkeypatch
     assert (cfg.dataset, cfg.tokenizer) == (f"{tmp_path}/corpus.jsonl", f"{tmp_path}/t.tiktoken")
     toml = tmp_path / "study.toml"
     toml.write_text('data_dir = "~/d"\n[ablate]\nout_dir = "~/study"\n')
-    study, _ = ablate.parse_args([str(toml)])
+    study, _ = plan.parse_args([str(toml)])
     assert study.out_dir == f"{tmp_path}/study"
     tried("~ in a path", 6)
 
@@ -492,9 +492,9 @@ def test_evaluation_suits_the_run_and_shows_progress(monkeypatch, capsys):
     assert train.eval_token_budget(Config(grad_accum=2), world_size=2) == 614_400
     clock = itertools.count(0, 4)  # every call 4 "seconds" later
     monkeypatch.setattr(train.time, "time", lambda: next(clock))
-    progress = train.EvaluationProgress(10, print)
+    progress = train.evaluation_progress(10, print)
     for _ in range(10):
-        progress.step()
+        progress.advance(1)
     lines = capsys.readouterr().out.splitlines()
     assert lines and all(line.startswith("eval: ") and "/10 batches, ETA" in line for line in lines)
 
@@ -514,8 +514,8 @@ def test_a_named_encoding_keeps_its_end_of_text_id_through_shards_and_checkpoint
     monkeypatch.setattr(prepare.tiktoken, "get_encoding", lambda name: fake)
     corpus = tmp_path / "c.jsonl"
     corpus.write_bytes(jsonl_bytes(make_documents(40)))
-    path = prepare.prepare(str(corpus), str(tmp_path / "data"), PrepareSettings(tokenizer="fake"), **QUIET)
-    assert data.load_shards(path).eot_id == 300 == data.load_tokenizer(path).eot_token
+    path = prepare.prepare(str(corpus), str(tmp_path / "data"), Config(tokenizer="fake"), **QUIET)
+    assert shards.load_shards(path).eot_id == 300 == shards.load_tokenizer(path).eot_token
     state = {
         "tokenizer": {
             "name": "fake",
@@ -524,7 +524,7 @@ def test_a_named_encoding_keeps_its_end_of_text_id_through_shards_and_checkpoint
             "eot_id": 300,
         }
     }
-    assert run_folder.checkpoint_tokenizer(state).eot_token == 300
+    assert checkpoints.checkpoint_tokenizer(state).eot_token == 300
     gapped = {k: v + (v >= 100) for k, v in ranks.items()}  # no rank 100
     fake = tiktoken.Encoding(
         "gapped", pat_str=prepare.SPLIT_PATTERN, mergeable_ranks=gapped, special_tokens={"<|endoftext|>": 300}
@@ -569,9 +569,9 @@ def test_a_moved_run_resumes_where_it_is_and_overwrite_keeps_the_old_run_until_i
     assert cfg.out_dir == str(moved)  # not the folder its config.json was written in
     train.train(cfg)
     assert not first.exists() and torch.load(moved / "ckpt.pt", weights_only=False)["step"] == 6
-    with run_folder.hold(parse_config(args(moved) + ["--overwrite=true"])):
-        files = run_folder.RunFiles(moved, "new", fresh=True)  # a kill now leaves the old run whole
-        assert files.path("ckpt.pt") == moved / ".replacing" / "ckpt.pt" and (moved / "ckpt.pt").exists()
+    with files.hold(moved, resume=False, overwrite=True):
+        run_files = files.RunFiles(moved, "new", fresh=True)  # a kill now leaves the old run whole
+        assert run_files.path("ckpt.pt") == moved / ".replacing" / "ckpt.pt" and (moved / "ckpt.pt").exists()
     tried("moved or replaced run folder", 2)
 
 

@@ -13,8 +13,9 @@ from conftest import tiny_args
 import prepare
 import train
 from config import parse_config
-from data import Flags, PackedBatches, start_marker_id, with_start_marker
+from data import Flags, PackedBatches
 from model import GPT, GPTConfig
+from shards import start_marker_id, with_start_marker
 from studies import ablate, import_leak
 from studies.import_leak import find_pairs, parse_file, probe
 from train import token_losses

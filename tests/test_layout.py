@@ -9,7 +9,8 @@ import sys
 import pytest
 from conftest import ROOT
 
-CORE = ("train", "model", "data", "corpora", "prepare", "config", "run_folder", "sample", "export_hf")
+TRAINING_SIDE = ("train", "model", "data", "shards", "checkpoints", "files", "config")  # what trains a prepared folder
+CORE = (*TRAINING_SIDE, "corpora", "prepare", "sample", "export_hf")
 
 
 def repo_modules() -> dict[str, object]:
@@ -41,8 +42,9 @@ def graph() -> dict[str, set[str]]:
 def test_the_graph_is_read_from_the_code():
     edges = graph()
     assert set(CORE) <= set(edges) and "studies.ablate" in edges
-    assert {"data", "model", "prepare", "run_folder"} <= edges["train"]  # the recipe uses the core
-    assert {"studies.stats", "studies.import_leak", "train"} <= edges["studies.ablate"]
+    assert {"data", "model", "shards", "checkpoints", "files", "prepare"} <= edges["train"]  # the recipe uses the core
+    assert {"studies.plan", "studies.probes", "studies.report", "train"} <= edges["studies.ablate"]
+    assert {"studies.plan", "studies.stats", "studies.tables"} <= edges["studies.report"]
 
 
 def test_imports_run_one_way():
@@ -64,8 +66,8 @@ def test_imports_run_one_way():
             assert not visit(name, []), f"an import circle: {' -> '.join(cycle)}"
 
 
-@pytest.mark.parametrize("leaf", ["data", "model"])
-def test_the_packing_spec_and_the_model_import_nothing_from_the_repo(leaf):
+@pytest.mark.parametrize("leaf", ["data", "model", "files"])
+def test_the_packing_spec_the_model_and_the_file_helpers_import_nothing_from_the_repo(leaf):
     assert graph()[leaf] == set()
 
 
@@ -87,3 +89,20 @@ def test_the_core_runs_without_the_studies(tmp_path):
     )  # prepares the built-in corpus, trains, evaluates, samples
     assert result.returncode == 0 and "final val_doc_loss" in result.stdout, result.stderr[-2000:]
     assert not (tmp_path / "studies").exists()
+
+
+@pytest.mark.slow
+def test_training_from_a_prepared_folder_needs_neither_preparation_nor_corpora(tmp_path, tiny_corpus):
+    import prepare
+    from config import Config
+
+    prepared = prepare.prepare(str(tiny_corpus), str(tmp_path / "data"), Config(tokenizer_vocab_size=300), log=print)
+    for name in TRAINING_SIDE:
+        shutil.copy(ROOT / f"{name}.py", tmp_path)
+    tiny = ["--seq_len=64", "--n_layer=1", "--n_embd=32", "--n_head=2", "--batch_size=4", "--max_iters=2"]
+    tiny += ["--eval_interval=2", "--sample_tokens=5", f"--dataset={prepared}"]
+    result = subprocess.run(
+        [sys.executable, "train.py", *tiny], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and "final val_doc_loss" in result.stdout, result.stderr[-2000:]
+    assert not (tmp_path / "prepare.py").exists() and not (tmp_path / "corpora.py").exists()

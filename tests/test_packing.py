@@ -333,7 +333,7 @@ def test_concat_rows_at_the_edge_of_the_stream(extra):
 
 
 def test_the_evaluation_subset_is_the_whole_documents_that_fit_exactly():
-    from data import leading_documents
+    from shards import leading_documents
 
     stream = stream_of([3, 4, 5])  # documents end at 3, 7 and 12
     assert len(leading_documents(stream, EOT, 7)) == 7  # the second ends exactly at the budget: kept

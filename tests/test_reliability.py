@@ -15,16 +15,15 @@ import torch
 from conftest import ROOT, make_documents, rewrite_checkpoint, tiny_args
 
 import corpora
-import data
+import files
 import prepare
-import run_folder
+import shards
 import train
-from config import ConfigError, parse_config
+from config import Config, ConfigError, parse_config
 from data import DataError
-from prepare import PrepareSettings
 from train import TrainingDiverged
 
-SMALL = PrepareSettings(vocab_size=300)
+SMALL = Config(tokenizer_vocab_size=300)
 
 
 def records(out_dir):
@@ -169,7 +168,7 @@ def test_corrupted_meta_json(tiny_corpus, tmp_path):
     path = prepare.prepare(str(tiny_corpus), str(tmp_path / "data"), SMALL, log=lambda *_: None)
     (path / "meta.json").write_text("{ not json")
     with pytest.raises(DataError, match="meta.json is corrupted"):
-        data.load_shards(path)
+        shards.load_shards(path)
 
 
 def test_shard_with_token_ids_outside_the_vocabulary(tiny_corpus, tmp_path):
@@ -178,7 +177,7 @@ def test_shard_with_token_ids_outside_the_vocabulary(tiny_corpus, tmp_path):
     tokens[0] = 60000
     tokens.tofile(path / "val_000000.bin")
     with pytest.raises(DataError, match="val_000000.bin does not match its tokenizer"):
-        data.load_shards(path)
+        shards.load_shards(path)
 
 
 @pytest.mark.slow
@@ -293,7 +292,7 @@ def test_a_preparation_in_progress_is_waited_for(tiny_corpus, tmp_path):
     source = corpora.resolve_dataset(str(tiny_corpus))
     name = prepare.shard_dir_for(str(data_dir), source, SMALL, corpora.fingerprint(source)).name
     data_dir.mkdir()
-    with run_folder.exclusive_lock(data_dir / f".{name}.lock"):
+    with files.exclusive_lock(data_dir / f".{name}.lock"):
         waiting = subprocess.Popen(
             [sys.executable, "prepare.py", str(tiny_corpus), f"--data_dir={data_dir}", "--tokenizer_vocab_size=300"],
             cwd=ROOT,
@@ -361,7 +360,7 @@ def test_bad_tiktoken_files_are_named(tmp_path, content, message):
     with pytest.raises(DataError, match=message):
         prepare.load_named_tokenizer(str(path))  # a user's file
     with pytest.raises(DataError, match=message):  # the bytes a checkpoint keeps: the same reader, checked
-        data.read_tiktoken(content, prepare.SPLIT_PATTERN, "bad", "the checkpoint's tokenizer")
+        shards.read_tiktoken(content, prepare.SPLIT_PATTERN, "bad", "the checkpoint's tokenizer")
 
 
 def test_non_finite_and_out_of_range_settings_are_refused_before_anything_else(tmp_path):

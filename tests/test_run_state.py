@@ -19,12 +19,13 @@ import pytest
 import torch
 from conftest import ROOT, make_documents, tiny_args
 
+import checkpoints
 import export_hf
+import files
 import prepare
-import run_folder
 import sample
 import train
-from config import ConfigError, parse_config
+from config import Config, ConfigError, parse_config
 from data import DataError
 
 pytestmark = pytest.mark.slow  # every test here trains a model or starts a process
@@ -80,8 +81,8 @@ def test_a_checkpoint_damaged_inside_its_weights_is_refused_by_every_reader(trai
     flip_byte_in_weights(ckpt, 0.5)
     torch.load(ckpt, weights_only=False)  # torch itself reads the damaged file without a word
     for reader in (
-        lambda: run_folder.read_checkpoint(ckpt),
-        lambda: run_folder.load_run(run, torch.device("cpu")),  # sampling and the studies' probes
+        lambda: checkpoints.read_checkpoint(ckpt),
+        lambda: checkpoints.load_run(run, torch.device("cpu")),  # sampling and the studies' probes
         lambda: export_hf.export(run, tmp_path / "hf"),
         lambda: train.train(parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=6"])),
     ):
@@ -94,13 +95,13 @@ def test_a_checkpoint_damaged_inside_its_weights_is_refused_by_every_reader(trai
         shutil.copy(trained[0] / "ckpt.pt", ckpt)
         flip_byte_in_weights(ckpt, float(where))
         with pytest.raises(ConfigError, match="damaged"):
-            run_folder.read_checkpoint(ckpt)
+            checkpoints.read_checkpoint(ckpt)
 
 
 def test_the_digest_covers_every_kind_of_content():
     state = {"a": torch.arange(6, dtype=torch.bfloat16).view(2, 3), "b": [np.arange(3), b"xy", ("s", 1.5)]}
-    digest = run_folder.content_digest(state)
-    assert digest == run_folder.content_digest({k: v for k, v in state.items()})  # a function of the content
+    digest = checkpoints.content_digest(state)
+    assert digest == checkpoints.content_digest({k: v for k, v in state.items()})  # a function of the content
     for changed in (
         {**state, "a": state["a"].clone().index_fill_(1, torch.tensor([2]), 7.0)},
         {**state, "a": state["a"].reshape(3, 2)},  # the same bytes in another shape
@@ -108,7 +109,7 @@ def test_the_digest_covers_every_kind_of_content():
         {**state, "b": [np.arange(3), b"xy", ("s", 1.25)]},
         {"b": state["b"], "a": state["a"]},  # another order
     ):
-        assert run_folder.content_digest(changed) != digest
+        assert checkpoints.content_digest(changed) != digest
 
 
 # ---- 2. a path of the wrong kind where a run's file goes
@@ -130,13 +131,13 @@ def test_a_folder_where_a_run_file_belongs_is_the_same_one_line_in_every_mode(tr
 
 
 def test_a_prepared_folder_decides_the_data_settings_and_a_contradicting_one_is_refused(trained, tmp_path):
-    shards = Path(run_folder.read_checkpoint(trained[0] / "ckpt.pt")["shards"])
+    shards = Path(checkpoints.read_checkpoint(trained[0] / "ckpt.pt")["shards"])
     base = tiny_args(shards, tmp_path / "data", tmp_path / "a", max_iters=1, eval_interval=1)
     base = [a for a in base if not a.startswith("--tokenizer_vocab_size")]
     for setting in ("--tokenizer_vocab_size=500", "--val_fraction=0.2", "--data_seed=7", "--text_field=body"):
         with pytest.raises(ConfigError, match=rf"{setting[2:].split('=')[0]}=.*but {shards} was prepared with"):
             train.train(parse_config(base + [setting]))
-    assert not any((tmp_path / "a" / name).exists() for name in run_folder.RUN_FILES)
+    assert not any((tmp_path / "a" / name).exists() for name in files.RUN_FILES)
     train.train(parse_config(base))  # the defaults: the folder's own settings are used, and recorded
     recorded = json.loads((tmp_path / "a" / "config.json").read_text())
     assert recorded["tokenizer_vocab_size"] == 320 and recorded["dataset"] == str(shards)
@@ -156,7 +157,7 @@ def test_empty_files_in_a_folder_are_skipped_and_named_and_a_damaged_one_is_refu
     for name in ("empty.jsonl.gz", "empty.jsonl.zst", "empty.jsonl"):
         (corpus / name).write_bytes(b"")
     (corpus / "blank.jsonl").write_text("\n\n")
-    folder = prepare.prepare(str(corpus), str(tmp_path / "data"), prepare.PrepareSettings(vocab_size=300), log=print)
+    folder = prepare.prepare(str(corpus), str(tmp_path / "data"), Config(tokenizer_vocab_size=300), log=print)
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["skipped"]["empty_file"] == 4
     assert meta["skipped_files"] == {"empty_file": ["blank.jsonl", "empty.jsonl", "empty.jsonl.gz", "empty.jsonl.zst"]}
@@ -164,7 +165,7 @@ def test_empty_files_in_a_folder_are_skipped_and_named_and_a_damaged_one_is_refu
     good = gzip.compress(b'{"text": "a b c"}\n' * 500)
     (corpus / "cut.jsonl.gz").write_bytes(good[: len(good) // 2])  # damage found after some of it was read
     with pytest.raises(DataError, match="cut.jsonl.gz cannot be read to the end"):
-        prepare.prepare(str(corpus), str(tmp_path / "data"), prepare.PrepareSettings(vocab_size=300), log=print)
+        prepare.prepare(str(corpus), str(tmp_path / "data"), Config(tokenizer_vocab_size=300), log=print)
 
 
 # ---- 5. the data changed under a run that resumes
@@ -175,11 +176,11 @@ def test_a_resumed_run_trains_on_the_shards_its_checkpoint_names_or_not_at_all(t
     shutil.copy(tiny_corpus, corpus)
     args = tiny_args(corpus, tmp_path / "data", tmp_path / "run", max_iters=2, eval_interval=2)
     train.train(parse_config(args))
-    shards = run_folder.read_checkpoint(tmp_path / "run" / "ckpt.pt")["shards"]
+    shards = checkpoints.read_checkpoint(tmp_path / "run" / "ckpt.pt")["shards"]
     with open(corpus, "a") as f:  # the corpus grows: preparing it again would give other shards
         f.write("".join(json.dumps({"text": d}) + "\n" for d in make_documents(300, seed=9)))
     train.train(parse_config([f"--out_dir={tmp_path / 'run'}", "--resume=true", "--max_iters=4"]))
-    assert run_folder.read_checkpoint(tmp_path / "run" / "ckpt.pt")["shards"] == shards
+    assert checkpoints.read_checkpoint(tmp_path / "run" / "ckpt.pt")["shards"] == shards
     assert [p.name for p in (tmp_path / "data").iterdir() if not p.name.startswith(".")] == [Path(shards).name]
     shutil.rmtree(shards)  # and once they are gone, it is refused
     with pytest.raises(ConfigError, match=f"trained on the shards in {shards}, which cannot be read now"):
@@ -191,7 +192,7 @@ def test_a_resumed_run_trains_on_the_shards_its_checkpoint_names_or_not_at_all(t
 
 def test_an_export_takes_its_step_and_loss_from_the_checkpoint_it_exports(trained, tmp_path):
     run = copy_of(trained[0], tmp_path)
-    state = run_folder.read_checkpoint(run / "ckpt.pt")
+    state = checkpoints.read_checkpoint(run / "ckpt.pt")
     assert state["evaluation"]["step"] == state["step"] == 4
     with open(run / "metrics.jsonl", "a") as f:  # training goes on: a later evaluation, not yet in ckpt.pt
         f.write(json.dumps({"step": 6, "val_loss": 1.0, "val_doc_loss": 1.2345}) + "\n")
@@ -236,7 +237,7 @@ def test_a_busy_folder_names_the_process_that_holds_its_lock(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(ConfigError, match=rf"in use by another run \(process {holder.pid}\)"):
-            with run_folder.hold(parse_config([f"--out_dir={tmp_path}"])):
+            with files.hold(tmp_path, resume=False, overwrite=False):
                 pass
     finally:
         holder.kill()
@@ -254,17 +255,17 @@ def test_overwriting_replaces_the_old_run_only_once_the_new_one_has_a_checkpoint
     assert contents(run) == before
 
     def full_disk(path, state):
-        raise run_folder.SaveFailed(f"could not save the checkpoint {path} (No space left on device)")
+        raise files.SaveFailed(f"could not save the checkpoint {path} (No space left on device)")
 
-    monkeypatch.setattr(run_folder, "save_checkpoint", full_disk)
-    with pytest.raises(run_folder.SaveFailed):  # failed at its first checkpoint
+    monkeypatch.setattr(checkpoints, "save_checkpoint", full_disk)
+    with pytest.raises(files.SaveFailed):  # failed at its first checkpoint
         train.train(parse_config(overwrite))
     assert contents(run) == before and not (run / ".replacing").exists()
     monkeypatch.undo()
     train.train(parse_config(overwrite))
     after = contents(run)
     assert after.keys() == before.keys() and all(after[k] != before[k] for k in after)
-    assert json.loads(after["config.json"])["run_id"] == run_folder.read_checkpoint(run / "ckpt.pt")["run_id"]
+    assert json.loads(after["config.json"])["run_id"] == checkpoints.read_checkpoint(run / "ckpt.pt")["run_id"]
 
 
 def test_a_folder_that_mixes_two_runs_is_refused(trained, tmp_path):
@@ -310,7 +311,7 @@ def test_sighup_stops_training_like_ctrl_c(tiny_corpus, tmp_path):
     child.send_signal(signal.SIGHUP)
     out, _ = child.communicate(timeout=120)
     assert child.returncode == 0 and "SIGHUP: finishing this step" in out and "stopped after step" in out
-    step = run_folder.read_checkpoint(tmp_path / "run" / "ckpt.pt")["step"]
+    step = checkpoints.read_checkpoint(tmp_path / "run" / "ckpt.pt")["step"]
     assert f"stopped after step {step};" in out
 
 
@@ -321,12 +322,12 @@ def test_a_result_that_cannot_be_written_is_one_line(tmp_path):
     import matplotlib.pyplot as plt
 
     (tmp_path / "figure.png").mkdir()  # nothing can be written there
-    with pytest.raises(run_folder.SaveFailed, match="could not write"):
-        run_folder.save_figure(plt.figure(), tmp_path / "figure.png")
+    with pytest.raises(files.SaveFailed, match="could not write"):
+        files.save_figure(plt.figure(), tmp_path / "figure.png")
     (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)
-    files = run_folder.RunFiles(tmp_path / "run", "id", fresh=False)
-    with pytest.raises(run_folder.SaveFailed, match="could not write"):
-        run_folder.MetricsLog(files, parse_config([]), resume_step=None)
+    run_files = files.RunFiles(tmp_path / "run", "id", fresh=False)
+    with pytest.raises(files.SaveFailed, match="could not write"):
+        train.MetricsLog(run_files, parse_config([]), resume_step=None)
 
 
 # ---- 12. a damaged config.json beside a good checkpoint

@@ -1,0 +1,238 @@
+"""Files that survive interrupts, and the run folder. The errors a user sees as one line, a lock the OS
+drops when its process dies, writes that leave the old file or the new one (never half of one), one
+progress line with rates and ETA, and the files of a run: where they go, how a new run replaces an old
+one, and the folder's lock. Imports nothing from the repo."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+
+class ConfigError(Exception):
+    """Bad settings, or a folder that cannot serve; printed as one line."""
+
+
+class SaveFailed(Exception):
+    """A result could not be written (disk full, file size limit); printed as one line."""
+
+
+@contextmanager
+def exclusive_lock(path: Path, on_busy: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on `path` for the with-block; the OS drops it if the process dies. If another
+    process holds it: call on_busy(its pid) and wait, or without on_busy raise BlockingIOError(its pid)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_busy is None:
+                raise BlockingIOError(lock_holder(fd)) from None
+            on_busy(lock_holder(fd))
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def lock_holder(fd: int) -> str:
+    """The process holding the lock on this open file: from the kernel's table (/proc/locks, Linux), else the
+    pid the holder wrote into the file (which a holder that died may have left)."""
+    stat = os.fstat(fd)
+    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    try:
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if "->" not in fields and "FLOCK" in fields and device in fields:  # "->" marks a waiting process
+                return fields[fields.index(device) - 1]
+    except OSError:
+        pass
+    return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+
+
+def check_writable_folder(folder: Path, what: str) -> None:
+    """Make `folder` if needed and check that a file can be written in it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{what} {folder} is not a writable folder ({e.strerror})") from None
+
+
+def replace_atomically(
+    path: Path, write: Callable[[Path], None], failed: str = "could not write {path} ({reason})"
+) -> None:
+    """write(temporary path), then rename it over `path`: an interrupt or a full disk leaves the previous
+    file (or none), never half of one; a failure is one line (SaveFailed: `failed`). The one way results,
+    logs and checkpoints are written."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+        tmp.unlink(missing_ok=True)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise SaveFailed(failed.format(path=path, reason=reason)) from None
+    except BaseException:  # a second Ctrl-C mid-write: the previous file stays, nothing half-written
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomically(path: Path, text: str) -> None:
+    replace_atomically(path, lambda tmp: tmp.write_text(text))
+
+
+def save_figure(figure, path: Path) -> None:
+    """A matplotlib figure, written atomically."""
+    replace_atomically(path, lambda tmp: figure.savefig(tmp, format=path.suffix[1:], dpi=110, bbox_inches="tight"))
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
+
+
+class Progress:
+    """How far long work is: `done` of `total`, rates of any counts, and the ETA. `show(progress)` makes its
+    line, printed at most every `every` seconds (rewritten in place on a terminal). The one progress line of
+    preparation, evaluation, training and the studies."""
+
+    def __init__(self, total: float, show: Callable[[Progress], str], print_line=print, every: float = 10.0) -> None:
+        self.total, self.show, self.print_line = max(total, 1e-9), show, print_line
+        self.tty = print_line is print and sys.stdout.isatty()
+        self.every = min(every, 0.5) if self.tty else every
+        self.done, self.counts = 0.0, Counter()
+        self.start = self.last = time.time()
+
+    def advance(self, done: float = 0, **counts: float) -> None:
+        self.done += done
+        self.counts.update(counts)
+        if self.done and time.time() - self.last >= self.every:
+            self.last = time.time()
+            line = self.show(self)
+            print(f"\r{line}\033[K", end="", flush=True) if self.tty else self.print_line(line)
+
+    def rate(self, name: str) -> float:
+        return self.counts[name] / max(time.time() - self.start, 1e-9)
+
+    def eta(self) -> str:
+        elapsed = time.time() - self.start
+        return format_duration(elapsed / self.done * (self.total - self.done)) if self.done else "unknown"
+
+    def close(self) -> None:
+        if self.tty and self.last > self.start:
+            print("\r\033[K", end="", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The run folder: out_dir/ckpt.pt, config.json, metrics.jsonl and .lock
+
+
+RUN_FILES = {"ckpt.pt": "checkpoint", "config.json": "settings file", "metrics.jsonl": "metrics log"}
+
+
+def check_run_files(out_dir: Path) -> None:
+    """Each of a run's files, where it exists, is a regular file: the same one line in every mode."""
+    for name, what in RUN_FILES.items():
+        if (out_dir / name).exists() and not (out_dir / name).is_file():
+            raise ConfigError(f"{out_dir / name} is not a file, where the run's {what} belongs: move it away")
+
+
+@contextmanager
+def hold(out_dir: Path, resume: bool, overwrite: bool) -> Iterator[None]:
+    """Hold out_dir for the run's lifetime: refuse a folder that another run is using (a lock that the OS
+    drops if that run dies) or that holds a finished run this one would replace. Nothing of the folder
+    changes here: a new run replaces an old one only once it has its first checkpoint (RunFiles)."""
+    check_run_files(out_dir)
+    if resume and not (out_dir / "ckpt.pt").is_file():
+        raise ConfigError(f"resume=true but {out_dir / 'ckpt.pt'} does not exist; start without --resume=true")
+    check_writable_folder(out_dir, "out_dir")
+    with ExitStack() as held:
+        try:
+            held.enter_context(exclusive_lock(out_dir / ".lock"))
+        except BlockingIOError as e:
+            raise ConfigError(
+                f"{out_dir} is in use by another run (process {e.args[0]}); wait for it or pick another out_dir"
+            ) from None
+        except OSError as e:
+            raise ConfigError(
+                f"{out_dir / '.lock'} cannot serve as the run's lock ({e.strerror}): remove it (no run holds it)"
+            ) from None
+        if (out_dir / "ckpt.pt").exists() and not resume and not overwrite:
+            raise ConfigError(
+                f"{out_dir} holds a run (ckpt.pt): continue it with --resume=true, pick another out_dir, "
+                "or replace it with --overwrite=true"
+            )
+        yield
+
+
+class RunFiles:
+    """Where a run writes its settings, metrics log and checkpoint. A new run in a folder that holds another
+    run's files writes its own to out_dir/.replacing/ until its first checkpoint is complete, then moves them
+    in, the checkpoint last: a run that is refused, fails or is stopped before then leaves the old run as it
+    was. The settings and the checkpoint carry the run's id, so a folder that a kill between those moves left
+    mixed is refused (checkpoints.check_one_run)."""
+
+    def __init__(self, out_dir: Path, run_id: str, fresh: bool, enabled: bool = True) -> None:
+        self.out_dir, self.run_id = out_dir, run_id
+        self.staging = out_dir / ".replacing"
+        replacing = fresh and enabled and any((out_dir / name).exists() for name in RUN_FILES)
+        if enabled:
+            shutil.rmtree(self.staging, ignore_errors=True)  # a replacement that never got its checkpoint
+        if replacing:
+            self.staging.mkdir()
+        self.folder = self.staging if replacing else out_dir
+
+    def path(self, name: str) -> Path:
+        return self.folder / name
+
+    def promote(self) -> None:
+        """Once the first checkpoint is written: this run's files replace the old run's."""
+        if self.folder == self.staging:
+            for name in ("config.json", "metrics.jsonl", "ckpt.pt"):
+                if (self.staging / name).exists():
+                    os.replace(self.staging / name, self.out_dir / name)
+            self.folder = self.out_dir
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+    def __enter__(self) -> RunFiles:
+        return self
+
+    def __exit__(self, *exc) -> None:  # a run that ends before its first checkpoint: the old run stays
+        if self.folder == self.staging:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def read_metrics(path: Path) -> list[tuple[str, dict]]:
+    """(line, record) of each line of a metrics.jsonl. A last line cut short (a kill while it was written)
+    is dropped with a warning; damage anywhere else is one line."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    out = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError
+        except ValueError:
+            if number == len(lines):
+                print(f"warning: {path}: its last line was cut short; dropped it", file=sys.stderr)
+                break
+            raise ConfigError(
+                f"{path}:{number} is not a metrics record: the log is damaged; move it away to resume with a new log"
+            ) from None
+        out.append((line, record))
+    return out

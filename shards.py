@@ -1,0 +1,235 @@
+"""Reading what prepare.py writes: a split's shards as one array (<folder>/{train,val}_NNNNNN.bin, flat
+uint16/uint32 tokens, memory-mapped), meta.json, and the tokenizer: a tiktoken Encoding whose special tokens
+are EOT and, with the start marker, BOS. Training needs only this and data.py, not prepare.py."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+
+from data import DataError, eot_positions
+
+EOT_TEXT = "<|endoftext|>"
+BOS_TEXT = "<|bos|>"  # the start marker's text, for decoding and the export; never read from text
+
+SHARD_FORMAT_VERSION = 2
+
+PREPARED_FILES = ("meta.json", "inputs.json", "tokenizer.tiktoken")
+
+# what loading and `describe` read
+META_KEYS = ("tokenizer_sha256", "pattern", "vocab_size", "eot_id", "dtype", "splits", "dataset", "tokenizer_name")
+
+META_KEYS += ("skipped", "bytes_read", "seconds")
+
+
+class TokenStream:
+    """The tokens of one split, as one array over its shard files: len(), slices (read into memory) and
+    integer-array indexing (a gather across shards, so a row may span two of them)."""
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = parts
+        self.offsets = np.cumsum([0] + [len(p) for p in parts])
+        self.dtype = parts[0].dtype
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                raise IndexError("TokenStream slices take no step")
+            first, last = (np.searchsorted(self.offsets, [start, max(start, stop - 1)], side="right") - 1).tolist()
+            pieces = [
+                self.parts[p][max(start - self.offsets[p], 0) : max(stop - self.offsets[p], 0)]
+                for p in range(first, min(last, len(self.parts) - 1) + 1)
+            ]
+            return np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
+        index = np.asarray(key)
+        if len(self.parts) == 1:
+            return self.parts[0][index]
+        part = np.searchsorted(self.offsets, index, side="right") - 1
+        out = np.empty(index.shape, self.dtype)
+        for p in np.unique(part):
+            chosen = part == p
+            out[chosen] = self.parts[p][index[chosen] - self.offsets[p]]
+        return out
+
+
+@dataclass
+class Shards:
+    meta: dict
+    train: TokenStream
+    val: TokenStream
+
+    @property
+    def eot_id(self) -> int:
+        return self.meta["eot_id"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta["vocab_size"]
+
+
+def is_prepared_folder(dataset: str) -> bool:
+    """A folder written by `prepare` can itself be given as the dataset (e.g. after copying data/)."""
+    return (
+        bool(dataset.strip()) and (Path(dataset) / "meta.json").is_file() and (Path(dataset) / "inputs.json").is_file()
+    )
+
+
+def load_shards(path: Path) -> Shards:
+    """Memory-map prepared shards, checking that every file is complete and consistent (sizes always;
+    token ids in the first and last MiB of each shard, so loading stays fast on any corpus)."""
+    meta_path = Path(path) / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{meta_path} not found: prepare the data first") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise DataError(f"{meta_path} is corrupted (not valid JSON)") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != SHARD_FORMAT_VERSION:
+        raise DataError(f"{path} was prepared by another version of prepare.py; delete it to prepare again")
+    missing = [key for key in META_KEYS if key not in meta]
+    splits = meta.get("splits")
+    whole = isinstance(splits, dict) and all(
+        isinstance(splits.get(split), dict)
+        and isinstance(splits[split].get("shards"), list)
+        and splits[split]["shards"]
+        and all(isinstance(shard, dict) and {"file", "tokens"} <= shard.keys() for shard in splits[split]["shards"])
+        for split in ("train", "val")
+    )
+    if missing or not whole:
+        what = ", ".join(missing) or "its splits' shards"
+        raise DataError(f"{meta_path} lacks {what}: it is damaged; delete {path} to prepare again")
+    tok_path = Path(path) / "tokenizer.tiktoken"
+    if not tok_path.is_file() or hashlib.sha256(tok_path.read_bytes()).hexdigest() != meta["tokenizer_sha256"]:
+        raise DataError(f"{tok_path} is missing or does not match meta.json; delete {path} to prepare again")
+    dtype = np.dtype(meta["dtype"])
+    streams = {}
+    for split, info in meta["splits"].items():
+        parts = []
+        for shard in info["shards"]:
+            bin_path = Path(path) / shard["file"]
+            expected = shard["tokens"] * dtype.itemsize
+            actual = bin_path.stat().st_size if bin_path.exists() else None
+            if actual != expected:
+                raise DataError(
+                    f"{bin_path} is truncated or corrupted: {actual} bytes, meta.json says {expected}; "
+                    f"delete {path} to prepare again"
+                )
+            tokens = np.memmap(bin_path, dtype=dtype, mode="r")
+            edge = (1 << 20) // dtype.itemsize
+            if max(tokens[:edge].max(), tokens[-edge:].max()) >= meta["vocab_size"]:
+                raise DataError(
+                    f"{bin_path} does not match its tokenizer (bad token ids); delete {path} to prepare again"
+                )
+            parts.append(tokens)
+        if parts[-1][-1] != meta["eot_id"]:
+            raise DataError(f"{bin_path} does not end a document; delete {path} to prepare again")
+        streams[split] = TokenStream(parts)
+    return Shards(meta=meta, train=streams["train"], val=streams["val"])
+
+
+def load_tokenizer(path: Path) -> tiktoken.Encoding:
+    """The tokenizer saved beside prepared shards (works offline)."""
+    meta, tokenizer = json.loads((Path(path) / "meta.json").read_text()), Path(path) / "tokenizer.tiktoken"
+    return read_tiktoken(
+        tokenizer.read_bytes(), meta["pattern"], meta["tokenizer_name"], str(tokenizer), meta["eot_id"]
+    )
+
+
+def leading_documents(stream: TokenStream | np.ndarray, eot_id: int, max_tokens: int) -> TokenStream | np.ndarray:
+    """The whole documents at the start of a split that fit in max_tokens (at least the first one; all
+    for 0): a fixed subset, the same for every run, since the stream's order depends only on data_seed."""
+    if max_tokens == 0 or max_tokens >= len(stream):
+        return stream
+    head = np.asarray(stream[:max_tokens])
+    ends = np.flatnonzero(head == eot_id)
+    if len(ends):
+        return head[: ends[-1] + 1]
+    first_end = eot_positions(stream, eot_id)[0]
+    return np.asarray(stream[: first_end + 1])
+
+
+# ----------------------------------------------------------------------------------------------
+# The tokenizer: a tiktoken Encoding whose only special token is EOT
+
+
+def tiktoken_encoding(ranks: dict[bytes, int], pattern: str, name: str, eot_id: int | None = None) -> tiktoken.Encoding:
+    """An Encoding of these merge ranks whose one special token is EOT: at `eot_id` (a named tiktoken
+    encoding keeps its own), or the id after the last rank (a BPE trained here)."""
+    eot_id = max(ranks.values()) + 1 if eot_id is None else eot_id
+    return tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens={EOT_TEXT: eot_id})
+
+
+def read_tiktoken(content: bytes, pattern: str, name: str, where: str, eot_id: int | None = None) -> tiktoken.Encoding:
+    """A .tiktoken file's content (one 'base64-token rank' per line, ranks 0..n-1 once each, every byte a
+    token), checked; `where` names it in errors; EOT at `eot_id` (see tiktoken_encoding). The one reader:
+    of shards, checkpoints and user files."""
+    ranks: dict[bytes, int] = {}
+    for line_no, line in enumerate(content.splitlines(), 1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            token, rank = base64.b64decode(token, validate=True), int(rank)
+        except ValueError:
+            raise DataError(f"{where}:{line_no}: not a .tiktoken file (expected 'base64-token rank')") from None
+        if token in ranks:
+            raise DataError(f"{where}:{line_no}: token {token!r} appears twice")
+        ranks[token] = rank
+    if not ranks:
+        raise DataError(f"{where} holds no tokens")
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise DataError(f"{where}: ranks must be 0..{len(ranks) - 1}, each once (found duplicates, gaps or negatives)")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise DataError(
+            f"{where}: {len(missing)} single bytes are not tokens (e.g. {bytes(missing[:1])!r}); "
+            "a byte-level BPE needs all 256"
+        )
+    return tiktoken_encoding(ranks, pattern, name, eot_id)
+
+
+def start_marker_id(enc: tiktoken.Encoding) -> int:
+    """The BOS id for a tokenizer: the first id past its vocabulary (one past the EOT for a BPE trained
+    here; 50257 for gpt2). A vocabulary that holds the marker's text as an ordinary token is refused: the
+    two would decode alike, and an exported tokenizer could not tell them apart."""
+    if BOS_TEXT.encode() in enc._mergeable_ranks:  # tiktoken exposes no public accessor for the ranks
+        raise DataError(
+            f"tokenizer {enc.name} holds {BOS_TEXT!r} as an ordinary token (id "
+            f"{enc._mergeable_ranks[BOS_TEXT.encode()]}), so it cannot take the start marker; use bos=false"
+        )
+    return enc.n_vocab
+
+
+def with_start_marker(enc: tiktoken.Encoding, bos_id: int | None) -> tiktoken.Encoding:
+    """The run's tokenizer: `enc`, with the BOS as a second special token when the run uses the marker.
+    Text is always encoded with encode_ordinary, so a literal "<|bos|>" in a document stays text."""
+    if bos_id is None:
+        return enc
+    specials = {EOT_TEXT: enc.eot_token, BOS_TEXT: bos_id}
+    return tiktoken.Encoding(
+        enc.name, pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks, special_tokens=specials
+    )
+
+
+def document_opening(enc: tiktoken.Encoding, text: str) -> list[int]:
+    """The ids a document that begins with `text` starts with, as the run's documents start: the BOS first
+    when the tokenizer has one (prompts of samples, exports' checks)."""
+    bos = [enc.encode_single_token(BOS_TEXT)] if BOS_TEXT in enc.special_tokens_set else []
+    return bos + enc.encode_ordinary(text)
+
+
+def decoded(enc: tiktoken.Encoding, ids: list[int]) -> str:
+    """A generated document's text: its ids up to its EOT, without the BOS and the ids past the tokenizer's
+    (the model's vocabulary is padded to a multiple of 64, so an untrained model can sample them)."""
+    ids = ids[: ids.index(enc.eot_token)] if enc.eot_token in ids else ids
+    return enc.decode([t for t in ids if t < enc.n_vocab and t not in enc._special_tokens.values()])

@@ -1,0 +1,507 @@
+"""A study's verdicts, report and figures, from its runs' results: each endpoint per run, the paired effects
+with their intervals, Holm over the primary family, the tables and the plots. A saved results.json is
+enough to write them again, without running anything:
+
+    python -m studies.report out/ablate/results.json      # writes results.md and the figures beside it
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import files
+from config import Config, ConfigError, run_main, settings_from
+from studies import import_leak, stats
+from studies.plan import (
+    BASELINES,
+    DIFFERENCE_ENDPOINTS,
+    WHOLE_DOCUMENT_ENDPOINTS,
+    Study,
+    predicted_invariant,
+    primary_endpoints,
+    probes_invariant,
+)
+from studies.tables import markdown_table
+
+
+def band_loss(
+    result: dict, band: list[int], sums: str = "val_doc_loss_sum_by_position", counts: str = "val_doc_count_by_position"
+) -> float | None:
+    """Token-weighted loss of the validation documents alone at within-document positions [first, stop);
+    None where no target there was scored (never a made-up 0)."""
+    first, stop = band
+    counted = sum(result[counts][first:stop])
+    return sum(result[sums][first:stop]) / counted if counted else None
+
+
+def endpoints(result: dict, study: Study, offsets: list[int]) -> dict[str, float]:
+    """One run's value of every endpoint it has (a run without the start marker has no first_token)."""
+    by_document = zip(result.get("val_doc_loss_sum_by_document", []), result.get("val_doc_count_by_document", []))
+    per_document = [total / n for total, n in by_document if n]
+    values = {
+        "early": band_loss(result, study.early_band),
+        "middle": band_loss(result, study.middle_band),
+        "late": band_loss(result, study.late_band) if study.late_band else None,
+        "val_doc_loss": result["val_doc_loss"],
+        # runs from before the marker scored only these targets: their val_doc_loss is this
+        "from_second": result.get("val_doc_loss_from_second", result["val_doc_loss"]),
+        "doc_weighted": float(np.mean(per_document)) if per_document else None,
+        "first_token": result.get("val_first_token_loss"),
+        "offset_effect": result["offset_loss"][str(max(offsets))] - result["offset_loss"]["1"],
+        "contamination": result["after_other"] - result["offset_loss"]["1"],
+    }
+    if "start_after_eot" in result:  # its own start, for a run without the marker: after the previous EOT
+        after = result["start_after_eot"]
+        values["early_own_start"] = band_loss(after, study.early_band, "sum_by_position", "count_by_position")
+    elif "val_first_token_loss" in result:  # with the marker: from the BOS, as evaluated
+        values["early_own_start"] = values["early"]
+    if "import_leak" in result:
+        values["leak_logprob"] = result["import_leak"]["logprob"]["k=1,extra=0"]["delta_logprob"]
+        values["leak_rate"] = result["import_leak"]["sampling"]["difference"]
+        if "k=1,extra=0 vs neutral" in result["import_leak"]["logprob"]:  # probes from before it was measured lack it
+            values["leak_vs_neutral"] = result["import_leak"]["logprob"]["k=1,extra=0 vs neutral"]["delta_logprob"]
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def margin(study: Study, endpoint: str) -> float:
+    return study.margin_doc_loss if endpoint in WHOLE_DOCUMENT_ENDPOINTS else study.margin_band
+
+
+def summarise(runs: dict, study: Study, offsets: list[int]) -> dict:
+    """Per cell and endpoint: its per-seed values, the effect (paired difference to its baseline's run of the
+    same seed, or the contrast within each run) with its 90% and 95% intervals, its role and verdict."""
+    cells: dict = {}
+    for pos in runs:
+        values = {
+            v: {seed: endpoints(r, study, offsets) for seed, r in by_seed.items()} for v, by_seed in runs[pos].items()
+        }
+        for variant, by_seed in runs[pos].items():
+            seeds = sorted(by_seed)
+            baseline = BASELINES.get(variant, "reference")
+            cell = {"seeds": seeds, "baseline": baseline, "endpoints": {}}
+            shared = set.intersection(*(set(values[variant][s]) for s in seeds))
+            for name in primary_endpoints(study, variant):
+                if name not in shared or any(name not in values[baseline][s] for s in seeds):
+                    raise ConfigError(
+                        f"{pos}/{variant}: its primary endpoint {name} has no scored targets in every run"
+                    )
+            for name in [n for n in values[variant][seeds[0]] if n in shared]:
+                own = [values[variant][s][name] for s in seeds]
+                entry = {"values": own, "mean_sd": stats.mean_spread(own)}
+                paired = name in DIFFERENCE_ENDPOINTS
+                if paired and (variant == "reference" or any(name not in values[baseline][s] for s in seeds)):
+                    cell["endpoints"][name] = entry  # nothing to compare with
+                    continue
+                reference = [values[baseline][s][name] for s in seeds] if paired else None
+                if (paired and predicted_invariant(pos, variant)) or (not paired and probes_invariant(pos, variant)):
+                    verdict, worst, bitwise = stats.invariance(own, reference, study.invariance_tolerance)
+                    bound = stats.paired_effect(own, reference).bound()  # how far from 0, if not within tolerance
+                    entry.update(
+                        role="invariant", verdict=verdict, max_abs_difference=worst, bitwise=bitwise, bound=bound
+                    )
+                else:
+                    effect = stats.paired_effect(own, reference)
+                    primary = name in primary_endpoints(study, variant)
+                    entry.update(
+                        role="primary" if primary else "secondary",
+                        estimate=effect.estimate,
+                        se=effect.se,
+                        df=effect.df,
+                        ci90=list(effect.interval(0.90)),
+                        ci95=list(effect.interval(0.95)),
+                        bound=effect.bound(),
+                        p_difference=effect.p_difference(),
+                        p_equivalence=effect.p_equivalence(margin(study, name)) if primary else None,
+                        p_wilcoxon=stats.signed_rank_p(own, reference) if primary else None,
+                    )
+                cell["endpoints"][name] = entry
+            for name in ("val_loss", "wall_seconds", "useful_tokens_per_sec"):
+                own = [by_seed[s][name] for s in seeds]
+                cell["endpoints"][name] = {"values": own, "mean_sd": stats.mean_spread(own)}
+            if "import_leak" in by_seed[seeds[0]]:
+                cell["leak_growth"] = leak_growth([by_seed[s]["import_leak"] for s in seeds])
+            cells[f"{pos}/{variant}"] = cell
+    decide_primary(cells)
+    return cells
+
+
+def leak_growth(probes: list[dict]) -> dict:
+    """Per (files before B, tokens kept after each import): Δ log P(import m), mean and sd over seeds; and
+    the sampled leak rates with the file before and alone."""
+    growth = {}
+    for key in probes[0]["logprob"]:
+        deltas = [p["logprob"][key]["delta_logprob"] for p in probes]
+        growth[key] = None if None in deltas else stats.mean_spread(deltas)
+    for when in ("after", "alone"):
+        growth[f"sampled_{when}"] = stats.mean_spread([p["sampling"][f"leak_rate_{when}"] for p in probes])
+    return growth
+
+
+def decide_primary(cells: dict) -> None:
+    """Holm over the primary family, once for the difference tests and once for the equivalence tests."""
+    family = {
+        (key, name): entry
+        for key, cell in cells.items()
+        for name, entry in cell["endpoints"].items()
+        if entry.get("role") == "primary"
+    }
+    difference = stats.holm({k: e["p_difference"] for k, e in family.items()})
+    equivalence = stats.holm({k: e["p_equivalence"] for k, e in family.items()})
+    signed_rank = stats.holm({k: e["p_wilcoxon"] for k, e in family.items()})
+    for key, entry in family.items():
+        effect = stats.Effect(entry["estimate"], entry["se"], entry["df"])
+        entry["p_difference_holm"], entry["p_equivalence_holm"] = difference[key], equivalence[key]
+        entry["verdict"] = stats.primary_verdict(effect, difference[key], equivalence[key])
+        # the robustness check for heavy tails: a difference verdict that the signed-rank test, Holm over the
+        # same family, also reaches
+        entry["p_wilcoxon_holm"] = signed_rank[key]
+        if entry["verdict"] in ("hurts", "helps"):
+            entry["robust"] = bool(signed_rank[key] < stats.ALPHA)
+
+
+ENDPOINT_NAMES = {
+    "early": "early band",
+    "middle": "middle band",
+    "late": "late band",
+    "val_doc_loss": "val_doc_loss",
+    "from_second": "val_doc_loss from the second token",
+    "doc_weighted": "document-weighted loss",
+    "first_token": "first token (from the BOS)",
+    "early_own_start": "early band, own start",
+    "offset_effect": "offset effect",
+    "contamination": "contamination",
+    "leak_logprob": "Δ log P(import m)",
+    "leak_vs_neutral": "Δ log P(import m) vs a neutral file",
+    "leak_rate": "Δ sampled leak rate",
+}
+
+
+def describe_effect(entry: dict) -> str:
+    """One cell of a table: the effect, its interval and what it says."""
+    if entry["role"] == "invariant":
+        how = "bitwise" if entry["bitwise"] else f"max \\|Δ\\| {entry['max_abs_difference']:.1e}"
+        if entry["verdict"] == "invariant":
+            return f"invariant ({how})"
+        return f"not invariant within the tolerance ({how}; \\|Δ\\| < {entry['bound']:.4f})"
+    low, high = entry["ci95"] if entry["role"] == "primary" else entry["ci90"]
+    interval = "" if not math.isfinite(low) else f" [{low:+.3f}, {high:+.3f}]"
+    if entry["role"] == "primary":
+        robust = " (not robust)" if entry.get("robust") is False else ""
+        return f"**{entry['verdict']}**{robust}: {entry['estimate']:+.3f}{interval}"
+    return f"{entry['estimate']:+.3f}{interval}, \\|Δ\\| < {entry['bound']:.3f}"
+
+
+def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cfg: Config, extra: dict) -> str:
+    def ms(pair, digits: int = 3) -> str:
+        return f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
+
+    regime = extra["regime"]
+    pad_factor = extra["pad_steps_factor"]
+    seeds = {key: len(cell["seeds"]) for key, cell in summary.items()}
+    roles = [(key, name, e.get("role")) for key, c in summary.items() for name, e in c["endpoints"].items()]
+    n_primary = sum(1 for _, _, role in roles if role == "primary")
+    lines = [
+        "# Ablation results",
+        "",
+        f"- command: `{env['command']}`",
+        f"- hardware: {env['hardware']}, torch {env['torch']}; runs trained at commit "
+        f"{extra['trained_at']}, this report written at commit {env['commit']}",
+        f"- model: {cfg.n_layer} layers, {cfg.n_embd} wide, {cfg.n_head} heads; data: {cfg.dataset}, tokenizer "
+        f"{cfg.tokenizer} {cfg.tokenizer_vocab_size}; each packed run {cfg.max_iters} steps of "
+        f"{cfg.batch_size * cfg.grad_accum} x {cfg.seq_len} tokens"
+        + (
+            f"; `pad` {pad_factor:.2f}x the steps for as many real tokens (pad rows are {1 - 1 / pad_factor:.0%} "
+            "padding), `pad_equal_compute` as many steps and rows"
+            if {"pad", "pad_equal_compute"} & set(study.variants)
+            else ""
+        ),
+        f"- regime: {regime['documents_per_row']:.2f} documents per training row, "
+        f"{regime['tokens_seeing_another_document']:.0%} of tokens can see another document without the mask "
+        f"(documents: median {regime['median_document_tokens']:.0f}, mean {regime['mean_document_tokens']:.0f} tokens)",
+        f"- seeds {study.first_seed} onwards; per cell: " + ", ".join(f"{key} {n}" for key, n in seeds.items()),
+        f"- wall time of the study: {extra['wall']}",
+        "",
+        "## Pre-registered endpoints and decision rules",
+        "",
+        "- primary: "
+        + "; ".join(
+            f"`{v}`: " + ", ".join(ENDPOINT_NAMES[n] for n in primary_endpoints(study, v))
+            for v in study.variants
+            if primary_endpoints(study, v)
+        )
+        + f". Bands are within-document positions (position p predicts the token after the p-th): early "
+        f"{study.early_band[0]}-{study.early_band[1] - 1}"
+        + (f", late {study.late_band[0]}-{study.late_band[1] - 1}" if study.late_band else "")
+        + ", "
+        "of every validation document alone; `val_doc_loss` is every token of every validation document alone "
+        "(with the start marker, the first one too). Each effect is the mean over seeds of the difference to "
+        "the baseline's run of the same seed (the reference, unless "
+        + (", ".join(f"`{v}` against `{b}`" for v, b in BASELINES.items() if v in study.variants) or "none differs")
+        + "; paired, each cell with its own variance, n - 1 degrees of freedom).",
+        f"- verdicts at family-wise α = {stats.ALPHA} (Holm, over the {n_primary} primary tests, once for "
+        "difference and once for equivalence): `negligible` when the equivalence test (TOST) rejects "
+        f"|effect| ≥ {study.margin_band} nats (bands) or {study.margin_doc_loss} (val_doc_loss); else `hurts` / "
+        "`helps` when the difference test rejects 0; else `unresolved`. The interval shown is the "
+        "unadjusted 95% one. Together the two families can err with probability at most "
+        f"{2 * stats.ALPHA:g} (a false difference or a false equivalence, each held to {stats.ALPHA}). Robustness "
+        "for heavy tails: Wilcoxon's signed-rank test of the same differences, Holm over the same family; a "
+        "`hurts` or `helps` it does not reach is marked `(not robust)`.",
+        f"- secondary: the middle band (positions {study.middle_band[0]}-{study.middle_band[1] - 1}), the other "
+        "of early band and val_doc_loss, the offset effect (the probe documents' loss after "
+        f"{max(offsets)} tokens of other documents minus after an EOT alone) and the contamination (after one "
+        "foreign document and its EOT minus after an EOT alone): the estimate, its 90% interval and the bound "
+        "|Δ| < X that it gives.",
+        "- invariant: where theory predicts no change (RoPE with the document mask needs no position reset; "
+        "with the mask, and reset or RoPE, nothing before a document changes it), each seed's value is "
+        f"checked against the reference's (or 0): within {study.invariance_tolerance:g} nats, bitwise where "
+        "equal.",
+        "",
+        "## Primary endpoints",
+        "",
+        "The reference's mean is over the cell's own seeds. Holm p: the adjusted p-values of the difference "
+        "and the equivalence test.",
+        "",
+    ]
+    primary_rows = []
+    for key, cell in summary.items():
+        pos, variant = key.split("/")
+        for name in primary_endpoints(study, variant):
+            entry = cell["endpoints"][name]
+            baseline = summary[f"{pos}/{cell['baseline']}"]
+            ref = [v for s, v in zip(baseline["seeds"], baseline["endpoints"][name]["values"]) if s in cell["seeds"]]
+            holm_p = (
+                f"{entry['p_difference_holm']:.2g} / {entry['p_equivalence_holm']:.2g}"
+                if entry["role"] == "primary"
+                else ""
+            )
+            primary_rows.append(
+                [pos, variant, ENDPOINT_NAMES[name], ms(stats.mean_spread(ref)), ms(entry["mean_sd"])]
+                + [describe_effect(entry), holm_p, len(cell["seeds"])]
+            )
+    header = ["position kind", "variant", "endpoint", "baseline", "variant", "effect [95% CI]: verdict", "Holm p"]
+    lines += markdown_table(header + ["seeds"], primary_rows)
+    secondary = [name for name in ENDPOINT_NAMES if any(name in c["endpoints"] for c in summary.values())]
+    lines += [
+        "",
+        "## Secondary endpoints and invariances",
+        "",
+        "Bounds from the 90% interval (primary cells repeat their verdict).",
+        "",
+    ]
+    secondary_rows = [  # the reference too: its probes are checked for invariance
+        [key]
+        + [
+            describe_effect(cell["endpoints"][name]) if "role" in cell["endpoints"].get(name, {}) else ""
+            for name in secondary
+        ]
+        for key, cell in summary.items()
+    ]
+    lines += markdown_table(["cell", *(ENDPOINT_NAMES[n] for n in secondary)], secondary_rows)
+    lines += [
+        "",
+        "## Each cell (mean ± sd over seeds)",
+        "",
+        "The two timing columns depend on what else the machine ran (losses do not): they are labelled as "
+        "such and decide nothing. Runs went in a random order within each seed; train time excludes evaluation.",
+        "",
+    ]
+    cell_rows = []
+    for key, cell in summary.items():
+        e = cell["endpoints"]
+        cell_rows.append(
+            [key, len(cell["seeds"]), ms(e["val_doc_loss"]["mean_sd"]), ms(e["early"]["mean_sd"])]
+            + [ms(e["middle"]["mean_sd"]), ms(e["val_loss"]["mean_sd"]), f"{e['wall_seconds']['mean_sd'][0]:.1f}"]
+            + [f"{e['useful_tokens_per_sec']['mean_sd'][0]:,.0f}"]
+        )
+    header = ["cell", "seeds", "val_doc_loss", "early band", "middle band", "val_loss (own packing)"]
+    lines += markdown_table(header + ["train s (timing, load-dependent)", "useful tok/s (timing)"], cell_rows)
+    leaks = {key: cell["leak_growth"] for key, cell in summary.items() if "leak_growth" in cell}
+    if leaks:
+        settings = [k for k in next(iter(leaks.values())) if k.startswith("k=")]
+        lines += [
+            "",
+            "## Import leak",
+            "",
+            "Pairs (A, B) of validation files where A imports a module m that B never mentions "
+            "(studies/import_leak.py). Δ log P(`import m` or `from m import`) at B's first import with k files "
+            "importing m before B (each cut after that import, or with `extra` more of its tokens), minus B alone; "
+            "and the share of import lines sampled there that name a module of the file before, with it before "
+            "and alone. Mean ± sd over seeds.",
+            "",
+        ]
+        leak_rows = [
+            [key, *("" if growth[k] is None else ms(growth[k]) for k in settings)]
+            + [f"{growth['sampled_after'][0]:.1%}", f"{growth['sampled_alone'][0]:.1%}"]
+            for key, growth in leaks.items()
+        ]
+        header = ["cell", *(k.replace(",", ", ") for k in settings), "sampled: before", "alone"]
+        lines += markdown_table(header, leak_rows)
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = list(runs)
+
+    def panels(width: float = 6):
+        fig, axes = plt.subplots(1, len(kinds), figsize=(width * len(kinds), 4.5), sharey=True, squeeze=False)
+        for ax, pos in zip(axes[0], kinds):
+            ax.set_title(f"pos_emb = {pos}")
+            ax.grid(alpha=0.3)
+        return fig, axes[0]
+
+    # effects.png: every primary effect with its 95% interval
+    fig, axes = panels()
+    for ax, pos in zip(axes, kinds):
+        rows = [
+            (f"{variant}: {ENDPOINT_NAMES[name]}", entry)
+            for variant in runs[pos]
+            for name, entry in summary[f"{pos}/{variant}"]["endpoints"].items()
+            if name in primary_endpoints(study, variant) and "role" in entry
+        ]
+        for y, (_, entry) in enumerate(rows):
+            if entry["role"] == "invariant":
+                ax.plot([0], [y], "o", color="gray")
+            else:
+                low, high = entry["ci95"]
+                ax.errorbar(
+                    [entry["estimate"]],
+                    [y],
+                    xerr=[[entry["estimate"] - low], [high - entry["estimate"]]],
+                    fmt="o",
+                    capsize=3,
+                )
+        ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
+        ax.axvline(0, color="black", lw=0.8)
+        ax.set_xlabel("effect vs baseline (nats), 95% CI")
+    files.save_figure(fig, out / "effects.png")
+
+    # loss_by_position.png: difference to the reference by position within the document
+    fig, axes = panels()
+    for ax, pos in zip(axes, kinds):
+        n = min(len(r["val_doc_count_by_position"]) for cell in runs[pos].values() for r in cell.values())
+        edges = np.unique(np.r_[0, np.geomspace(1, n, 14).astype(int)])
+        centers = [(a + b - 1) / 2 for a, b in zip(edges[:-1], edges[1:])]
+        for variant, cell in runs[pos].items():
+            if variant == "reference":
+                continue
+            ref = runs[pos][BASELINES.get(variant, "reference")]
+            deltas = [
+                [band_loss(cell[s], [a, b]) - band_loss(ref[s], [a, b]) for a, b in zip(edges[:-1], edges[1:])]
+                for s in cell
+            ]
+            ax.plot(centers, np.mean(deltas, axis=0), marker="o", ms=3, label=variant)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.axvspan(study.early_band[0], study.early_band[1] - 1, color="gray", alpha=0.15)
+        ax.set_xscale("symlog")
+        ax.set_xlabel("position within the document (early band shaded)")
+    axes[0].set_ylabel("loss minus its baseline's (same seed)")
+    axes[0].legend(fontsize=8)
+    files.save_figure(fig, out / "loss_by_position.png")
+
+    # offset_probe.png: the probe documents' loss by what precedes them
+    fig, axes = panels()
+    for ax, pos in zip(axes, kinds):
+        for variant, cell in runs[pos].items():
+            losses = np.array([[r["offset_loss"][str(k)] for k in offsets] for r in cell.values()])
+            ax.errorbar(offsets, losses.mean(0), yerr=losses.std(0), marker="o", capsize=3, label=variant)
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens of other documents before the document (1: the EOT alone)")
+    axes[0].set_ylabel("loss on the document")
+    axes[0].legend(fontsize=8)
+    files.save_figure(fig, out / "offset_probe.png")
+
+    if all("import_leak" in r for pos in runs for cell in runs[pos].values() for r in cell.values()):
+        fig, axes = panels()
+        for ax, pos in zip(axes, kinds):
+            for variant, cell in runs[pos].items():
+                logprob = [r["import_leak"]["logprob"] for r in cell.values()]
+                for extra, style in zip(import_leak.EXTRA_TOKENS, ("-", "--")):
+                    ks = [k for k in import_leak.PRECEDING_FILES if logprob[0][f"k={k},extra={extra}"]["pairs"]]
+                    deltas = np.array([[lp[f"k={k},extra={extra}"]["delta_logprob"] for k in ks] for lp in logprob])
+                    label = f"{variant}, {extra} tokens after the import"
+                    ax.errorbar(ks, deltas.mean(0), yerr=deltas.std(0), ls=style, marker="o", capsize=3, label=label)
+            ax.set_xticks(import_leak.PRECEDING_FILES)
+            ax.set_xlabel("files before B that import m")
+        axes[0].set_ylabel("Δ log P(import m) vs B alone (nats)")
+        axes[0].legend(fontsize=8)
+        files.save_figure(fig, out / "import_leak.png")
+    plt.close("all")
+
+
+def write_report(
+    runs: dict, study: Study, offsets: list[int], base: Config, regime: dict, pad_factor: float, out: Path, env: dict
+) -> None:
+    """results.json (every run's result, the settings and the verdicts), then the report and figures from it."""
+    runs = {pos: {v: dict(sorted(cell.items())) for v, cell in kinds.items()} for pos, kinds in runs.items()}
+    wall = sum(r["wall_seconds"] for kinds in runs.values() for cell in kinds.values() for r in cell.values())
+    commits = {
+        r.get("trained_at_commit", "not recorded") for k in runs.values() for c in k.values() for r in c.values()
+    }
+    saved = {
+        "environment": env,
+        "study": dataclasses.asdict(study),
+        "config": dataclasses.asdict(base),
+        "probe_offsets": offsets,
+        "regime": regime,
+        "pad_steps_factor": pad_factor,
+        "wall": f"{wall / 60:.0f} min of training steps (timing: depends on the machine's load)",
+        "trained_at": ", ".join(sorted(commits)),
+        "runs": runs,
+    }
+    saved["summary"] = summarise(runs, study, offsets)
+    files.write_atomically(out / "results.json", json.dumps(saved))
+    report_from(saved, out)
+
+
+def report_from(saved: dict, out: Path) -> None:
+    """results.md and the figures from a study's saved results (the verdicts computed again from its runs)."""
+    study = settings_from(Study, saved["study"], "python -m studies.ablate --help")
+    study.validate()
+    base = settings_from(Config, saved["config"], "python train.py --help")
+    offsets = saved["probe_offsets"]
+    runs = {
+        pos: {v: {int(s): r for s, r in cell.items()} for v, cell in kinds.items()}
+        for pos, kinds in saved["runs"].items()
+    }
+    summary = summarise(runs, study, offsets)
+    report = format_report(summary, saved["environment"], study, offsets, base, saved)
+    files.write_atomically(out / "results.md", report)
+    plot(runs, summary, study, offsets, out)
+    print("\n" + report)
+    leak_figure = ", import_leak.png" if study.import_leak else ""
+    print(f"wrote {out / 'results.md'}, effects.png, loss_by_position.png, offset_probe.png{leak_figure}")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print(__doc__.strip())
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    path = Path(argv[0])
+    try:
+        saved = json.loads(path.read_text())
+        missing = [k for k in ("study", "config", "runs", "probe_offsets", "environment") if k not in saved]
+        if missing:
+            raise ConfigError(f"{path} has no {', '.join(missing)}: it was written before reports could be rebuilt")
+        report_from(saved, path.parent)
+    except (OSError, ValueError) as e:
+        print(f"error: {path} cannot be read as a study's results.json ({e})", file=sys.stderr)
+        return 1
+    except (ConfigError, files.SaveFailed) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
