@@ -17,7 +17,8 @@ from studies import ablate, plan, report, stats
 
 @pytest.mark.parametrize(
     "name",
-    ["ablate_cpu.toml", "ablate_cpu_stage2.toml", "ablate_gpu.toml", "import_leak_cpu.toml", "import_leak_gpu.toml"],
+    ["ablate_cpu.toml", "ablate_cpu_stage2.toml", "ablate_gpu.toml", "import_leak_cpu.toml", "import_leak_gpu.toml"]
+    + ["ladder_pilot.toml", "ladder_rung1.toml", "ladder_rung2.toml", "ladder_rung3.toml", "boundary_replication.toml"],
 )
 def test_shipped_study_configs_parse(name):
     study, base = plan.parse_args([str(ROOT / "configs" / name), "--seeds=5", "--max_iters=7"])
@@ -45,6 +46,31 @@ def test_the_second_stage_is_the_one_preregistered_on_seeds_the_first_did_not_us
     assert seeds["learned", "no_mask_boundary_loss"] == list(range(15, 55)) == seeds["learned", "reference"]
     used_before = {s for cell in plan.seeds_of_cells(first).values() for s in cell}
     assert used_before == set(range(3, 15)) and not used_before & set(seeds["learned", "reference"])
+
+
+def test_the_ladder_is_the_one_preregistered():
+    """Three rungs of one model and data, 150 / 1,500 / 4,500 steps, the top at 10+ tokens a parameter and 30x
+    the first stage's tokens; every stage's seeds disjoint from every other's (the pilot's included)."""
+    import train
+    from config import parse_config
+    from model import GPT
+
+    rungs = [ablate.parse_args([str(ROOT / f"configs/ladder_rung{n}.toml")]) for n in (1, 2, 3)]
+    settings = [parse_config(args) for _, args in rungs]
+    assert [cfg.max_iters for cfg in settings] == [150, 1500, 4500]
+    assert all(cfg.bos and cfg.dataset == "packages" and cfg.seq_len == 1024 for cfg in settings)
+    top = settings[2]
+    tokens = top.max_iters * top.batch_size * top.seq_len
+    params = GPT(train.model_settings(top, top.tokenizer_vocab_size + 1)).num_params()
+    assert tokens / params >= 10 and tokens >= 30 * 150 * 2 * 1024
+    assert [study.early_band for study, _ in rungs] == [[0, 16]] * 3 and rungs[0][0].late_band == [256, 1024]
+    assert rungs[2][0].pos_embs == ["learned"]
+    stages = ["ablate_cpu", "ablate_cpu_stage2", "ladder_pilot", "boundary_replication"]
+    studies = [ablate.parse_args([str(ROOT / f"configs/{name}.toml")])[0] for name in stages] + [s for s, _ in rungs]
+    used = [{seed for cell in ablate.seeds_of_cells(study).values() for seed in cell} for study in studies]
+    for i, seeds in enumerate(used):
+        for other in used[i + 1 :]:
+            assert not seeds & other
 
 
 def test_bad_study_settings_are_one_clear_error(tmp_path):
