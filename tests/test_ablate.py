@@ -52,11 +52,10 @@ def test_the_ladder_is_the_one_preregistered():
     """Three rungs of one model and data, 150 / 1,500 / 4,500 steps, the top at 10+ tokens a parameter and 30x
     the first stage's tokens; every stage's seeds disjoint from every other's (the pilot's included)."""
     import train
-    from config import parse_config
     from model import GPT
 
-    rungs = [ablate.parse_args([str(ROOT / f"configs/ladder_rung{n}.toml")]) for n in (1, 2, 3)]
-    settings = [parse_config(args) for _, args in rungs]
+    rungs = [plan.parse_args([str(ROOT / f"configs/ladder_rung{n}.toml")]) for n in (1, 2, 3)]
+    settings = [cfg for _, cfg in rungs]
     assert [cfg.max_iters for cfg in settings] == [150, 1500, 4500]
     assert all(cfg.bos and cfg.dataset == "packages" and cfg.seq_len == 1024 for cfg in settings)
     top = settings[2]
@@ -66,8 +65,8 @@ def test_the_ladder_is_the_one_preregistered():
     assert [study.early_band for study, _ in rungs] == [[0, 16]] * 3 and rungs[0][0].late_band == [256, 1024]
     assert rungs[2][0].pos_embs == ["learned"]
     stages = ["ablate_cpu", "ablate_cpu_stage2", "ladder_pilot", "boundary_replication"]
-    studies = [ablate.parse_args([str(ROOT / f"configs/{name}.toml")])[0] for name in stages] + [s for s, _ in rungs]
-    used = [{seed for cell in ablate.seeds_of_cells(study).values() for seed in cell} for study in studies]
+    studies = [plan.parse_args([str(ROOT / f"configs/{name}.toml")])[0] for name in stages] + [s for s, _ in rungs]
+    used = [{seed for cell in plan.seeds_of_cells(study).values() for seed in cell} for study in studies]
     for i, seeds in enumerate(used):
         for other in used[i + 1 :]:
             assert not seeds & other
