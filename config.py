@@ -363,7 +363,7 @@ def saved_settings(given: Config, values: dict) -> dict:
         if not isinstance(saved, dict):
             raise ValueError("not a table of settings")
     except FileNotFoundError:
-        return {}  # no run there: run_folder says so
+        return {}  # no run there: files.hold says so
     except (OSError, ValueError) as e:
         if not (out_dir / "ckpt.pt").is_file():
             raise ConfigError(f"{path} cannot be read ({e}) and there is no checkpoint to resume from") from None
