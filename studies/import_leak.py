@@ -336,10 +336,10 @@ def probe(
     }
 
 
-def validation_pairs(shards: shards.Shards, enc: tiktoken.Encoding, n_pairs: int) -> list[LeakPair]:
+def validation_pairs(prepared: shards.Shards, enc: tiktoken.Encoding, n_pairs: int) -> list[LeakPair]:
     """Up to n_pairs pairs from the validation split's first documents; a DataError when there are not 2."""
-    val = shards.leading_documents(shards.val, shards.eot_id, VAL_TOKENS)[:]
-    texts = [enc.decode(val[s : e - 1].tolist()) for s, e in zip(*data.document_bounds(val, shards.eot_id))]
+    val = shards.leading_documents(prepared.val, prepared.eot_id, VAL_TOKENS)[:]
+    texts = [enc.decode(val[s : e - 1].tolist()) for s, e in zip(*data.document_bounds(val, prepared.eot_id))]
     pairs = find_pairs(texts, enc, n_pairs)
     if len(pairs) < 2:
         raise data.DataError(
