@@ -249,6 +249,16 @@ def run_cli(*args: str, cwd=ROOT, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300, **kw)
 
 
+def in_process(main, argv: list[str], capsys) -> subprocess.CompletedProcess:
+    """A script's main called here, as run_cli would run it (the same exit code and stderr), without the
+    seconds of starting Python and importing torch."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    return subprocess.CompletedProcess(argv, code, "", capsys.readouterr().err)
+
+
 def one_error_line(result: subprocess.CompletedProcess, *fragments: str) -> None:
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
     lines = result.stderr.strip().splitlines()
@@ -394,7 +404,9 @@ def test_config_files_that_are_folders_or_not_utf8(tmp_path):
 
 
 @pytest.mark.slow
-def test_foreign_and_truncated_checkpoints(tiny_corpus, tmp_path):
+def test_foreign_and_truncated_checkpoints(tiny_corpus, tmp_path, capsys):
+    import sample
+
     out = tmp_path / "run"
     out.mkdir()
     torch.save({"weights": torch.zeros(3)}, out / "ckpt.pt")
@@ -405,9 +417,9 @@ def test_foreign_and_truncated_checkpoints(tiny_corpus, tmp_path):
     real = tmp_path / "real"
     train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", real, max_iters=1, eval_interval=1)))
     (out / "ckpt.pt").write_bytes((real / "ckpt.pt").read_bytes()[:5000])
-    one_error_line(run_cli("sample.py", f"--out_dir={out}"), "not a readable checkpoint")
-    one_error_line(run_cli("sample.py", f"--out_dir={real}", "--device=cuda:0"), "CUDA is not available")
-    one_error_line(run_cli("sample.py", f"--out_dir={real}", "--num_samples=x"), "--num_samples")
+    one_error_line(in_process(sample.main, [f"--out_dir={out}"], capsys), "not a readable checkpoint")
+    one_error_line(in_process(sample.main, [f"--out_dir={real}", "--device=cuda:0"], capsys), "CUDA is not available")
+    one_error_line(in_process(sample.main, [f"--out_dir={real}", "--num_samples=x"], capsys), "--num_samples")
 
 
 @pytest.mark.slow
@@ -445,7 +457,6 @@ def test_a_dataset_folder_that_holds_the_runs_outputs_skips_them(tmp_path, monke
         parse_config(["--dataset="])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "table, message",
     [
@@ -457,14 +468,24 @@ def test_a_dataset_folder_that_holds_the_runs_outputs_skips_them(tmp_path, monke
         ("probe_docs = 0", "probe_docs=0: must be at least 1"),
     ],
 )
-def test_ablate_settings_of_the_wrong_type(tmp_path, table, message):
+def test_ablate_settings_of_the_wrong_type(tmp_path, table, message, capsys):
+    from studies import ablate
+
     config = tmp_path / "c.toml"
     config.write_text(f"[ablate]\n{table}\n")
-    one_error_line(run_cli("-m", "studies.ablate", str(config)), message)
+    one_error_line(in_process(ablate.main, [str(config)], capsys), message)
 
 
 @pytest.mark.slow
-def test_bench_checks_its_arguments_before_it_runs(tmp_path):
-    one_error_line(run_cli("-m", "studies.bench", "--seq_lens=0"), "--seq_lens")
-    one_error_line(run_cli("-m", "studies.bench", "--doc_len=0"), "--doc_len")
-    one_error_line(run_cli("-m", "studies.bench", f"--out={tmp_path}"), "is a folder")
+def test_a_bad_study_setting_is_one_line_from_the_command_line(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("[ablate]\nprobe_docs = 0\n")
+    one_error_line(run_cli("-m", "studies.ablate", str(config)), "probe_docs=0: must be at least 1")
+
+
+def test_bench_checks_its_arguments_before_it_runs(tmp_path, capsys):
+    from studies import bench
+
+    one_error_line(in_process(bench.main, ["--seq_lens=0"], capsys), "--seq_lens")
+    one_error_line(in_process(bench.main, ["--doc_len=0"], capsys), "--doc_len")
+    one_error_line(in_process(bench.main, [f"--out={tmp_path}"], capsys), "is a folder")
