@@ -22,10 +22,11 @@ SHARD_FORMAT_VERSION = 2
 
 PREPARED_FILES = ("meta.json", "inputs.json", "tokenizer.tiktoken")
 
-# what loading and `describe` read
-META_KEYS = ("tokenizer_sha256", "pattern", "vocab_size", "eot_id", "dtype", "splits", "dataset", "tokenizer_name")
-
-META_KEYS += ("skipped", "bytes_read", "seconds")
+# what loading a prepared folder, and describing it, read from its meta.json: a folder without one is damaged
+META_KEYS = (
+    *("tokenizer_sha256", "pattern", "vocab_size", "eot_id", "dtype", "splits", "dataset", "tokenizer_name"),
+    *("skipped", "bytes_read", "seconds"),  # the preparation's own account, which `describe` prints
+)
 
 
 class TokenStream:
