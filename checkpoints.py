@@ -1,8 +1,6 @@
-"""Checkpoints: out_dir/ckpt.pt holds the model, the optimizer, the data position, every process's RNG state,
-the settings, the tokenizer and the last evaluation, so a run resumes exactly and its folder stands alone.
-A digest of the content is written with it and checked on every read (resume, sampling, export, studies):
-bytes changed inside the weights, which torch.load does not notice, refuse the file instead of being used.
-"""
+"""out_dir/ckpt.pt: model, optimizer, data position, every process's RNG, settings, tokenizer and the last
+evaluation, so a run resumes exactly and its folder stands alone. A digest of the content is checked on
+every read: bytes changed inside the weights, which torch.load does not notice, refuse the file."""
 
 from __future__ import annotations
 
@@ -12,7 +10,6 @@ import json
 import random
 import sys
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import tiktoken
@@ -23,14 +20,13 @@ from config import RESUMABLE, Config
 from data import DataError
 from files import ConfigError, RunFiles, replace_atomically
 from model import GPT, GPTConfig
-from shards import BOS_TEXT, load_shards, read_tiktoken, with_start_marker
+from shards import BOS_TEXT, load_shards
 
 KEYS = {"model", "optimizer", "config", "model_config", "step", "data", "rng", "tokenizer_sha256"}
 
 
 def content_digest(value, digest=None) -> str:
-    """sha256 of a checkpoint's content in the order it is stored: every tensor's and array's dtype, shape
-    and bytes, every other value's repr."""
+    """sha256 of a checkpoint's content as stored: each tensor's and array's dtype, shape and bytes, else repr."""
     top = digest is None
     digest = hashlib.sha256() if top else digest
     if isinstance(value, torch.Tensor):
@@ -85,8 +81,7 @@ def read_checkpoint(path: Path) -> dict:
 
 
 def load_checkpoint(path: Path, cfg: Config, world_size: int) -> dict:
-    """The checkpoint to resume from, checked against this run's settings and process count, and against
-    the run its folder's settings belong to."""
+    """The checkpoint to resume from, checked against this run's settings, process count and folder."""
     state = read_checkpoint(path)
     saved = state["config"]
     changed = sorted(k for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE and saved.get(k) != v)
@@ -104,8 +99,7 @@ def load_checkpoint(path: Path, cfg: Config, world_size: int) -> dict:
 
 
 def check_one_run(out_dir: Path, state: dict) -> None:
-    """The folder's settings and checkpoint are of one run (their run ids agree). RunFiles moves the settings
-    in before the log and the checkpoint: a move cut short leaves them disagreeing."""
+    """The folder's settings and checkpoint are of one run: a replacement cut short leaves their ids apart."""
     try:
         settings_id = json.loads((out_dir / "config.json").read_text()).get("run_id")
     except (OSError, ValueError, AttributeError):
@@ -118,8 +112,7 @@ def check_one_run(out_dir: Path, state: dict) -> None:
 
 
 def checkpoint_shards(path: Path, state: dict) -> Path:
-    """The shard folder a checkpoint trained on, if it is still there: a resumed run trains on it or not at
-    all (preparing the corpus again could give other shards once it changed)."""
+    """The shard folder a checkpoint trained on: a resumed run trains on it or not at all."""
     folder = Path(state["shards"])
     try:
         load_shards(folder)
@@ -162,8 +155,7 @@ class Checkpointer:
         }
 
     def save(self, step: int, model: GPT, optimizer, batches, evaluation: dict | None = None) -> None:
-        """A collective under DDP: every process calls it, process 0 writes. `evaluation`: the last one, at or
-        before this step (its figures, not its per-position lists)."""
+        """A collective under DDP: every process calls it, process 0 writes. `evaluation`: the last one."""
         rng = [rng_states()]
         if dist.is_initialized():
             rng = [None] * dist.get_world_size()
@@ -199,33 +191,3 @@ def set_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
     if states["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
-
-
-def trained_model(state: dict, device: torch.device, attn_impl: str | None = None) -> GPT:
-    """The model of a checkpoint, in eval mode; attn_impl overrides the attention it trained with."""
-    known = {f.name for f in dataclasses.fields(GPTConfig)}  # checkpoints of earlier versions held doc_mask here
-    config = GPTConfig(**{k: v for k, v in state["model_config"].items() if k in known})
-    if attn_impl is not None:
-        config.attn_impl = attn_impl
-    model = GPT(config)
-    model.load_state_dict(state["model"])
-    return model.to(device).eval()
-
-
-def checkpoint_tokenizer(state: dict) -> tiktoken.Encoding:
-    """The tokenizer a checkpoint was trained with, stored in it so a run folder stands alone."""
-    tok = state["tokenizer"]
-    enc = read_tiktoken(tok["file"], tok["pattern"], tok["name"], "the checkpoint's tokenizer", tok.get("eot_id"))
-    return with_start_marker(enc, tok.get("bos_id"))
-
-
-class TrainedRun(NamedTuple):
-    model: GPT
-    tokenizer: tiktoken.Encoding
-    checkpoint: dict
-
-
-def load_run(out_dir: Path, device: torch.device, attn_impl: str | None = None) -> TrainedRun:
-    """The trained model of a run folder (in eval mode), its tokenizer and its checkpoint."""
-    state = read_checkpoint(Path(out_dir) / "ckpt.pt")
-    return TrainedRun(trained_model(state, device, attn_impl), checkpoint_tokenizer(state), state)

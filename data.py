@@ -1,5 +1,4 @@
-"""The packing spec: how the documents of a split become rows and a row becomes a batch, read top to
-bottom (shards.py reads the splits from disk). This file imports nothing from the repo.
+"""The packing spec: how the documents of a split become rows and a row becomes a batch, top to bottom.
 
 The rules, which are Megatron-LM's flags of the same meaning (README, "The three flags"):
 
@@ -16,8 +15,7 @@ The rules, which are Megatron-LM's flags of the same meaning (README, "The three
              BOS with the marker); predicting the EOT itself counts, so the model learns to end documents
 
 Worked example: documents of 3, 2 and 3 tokens in one 8-slot row give document ids 0 0 0 1 1 2 2 2 and
-positions 0 1 2 0 1 0 1 2. The document mask itself (three small lower triangles) is built in model.py
-from those ids; a batch only says whether to build it.
+positions 0 1 2 0 1 0 1 2; model.py builds the document mask (three small lower triangles) from the ids.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ IGNORE_INDEX = -100  # targets with this value do not count in the loss (torch's
 
 
 class DataError(Exception):
-    """A problem with the user's data or prepared shards; train.py prints it as one line."""
+    """A problem with the user's data or prepared shards."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -40,9 +38,8 @@ class DataError(Exception):
 
 @dataclass(frozen=True)
 class Flags:
-    """The three fixes of packing, on by default; each one off is an ablation (README: "The three flags").
-    Each flag's whole effect is one line: reset_position_ids and mask_boundary_loss in `make_batch`,
-    doc_mask in model.attention_mask."""
+    """The three fixes of packing, on by default; each one off is an ablation. Each flag's whole effect is one
+    spot: reset_position_ids and mask_boundary_loss in `make_batch`, doc_mask in model.attention_mask."""
 
     doc_mask: bool = True  # attend only within the document
     reset_position_ids: bool = True  # positions restart at 0 in each document
@@ -67,8 +64,8 @@ def reset_positions(inputs: torch.Tensor, eot_id: int) -> torch.Tensor:
 
 
 def boundary_loss_masked(inputs: torch.Tensor, targets: torch.Tensor, eot_id: int) -> torch.Tensor:
-    """Ignore the target predicted from an EOT input (the next document's first token); keep EOT as a
-    target, so the model learns to end documents. Masked by the input, so no look-ahead is needed."""
+    """Ignore the target predicted from an EOT input (the next document's first token); EOT as a target
+    counts, so the model learns to end documents."""
     return targets.masked_fill(inputs == eot_id, IGNORE_INDEX)
 
 
@@ -104,10 +101,9 @@ def make_batch(
     flags: Flags = Flags(),
     doc_positions: np.ndarray | None = None,
 ) -> Batch:
-    """A batch from rows of T + 1 token ids (B, T + 1), of which the first n_real are real (vectorised, no
-    per-token loop). Padding inputs are EOT, so each padding token is its own one-token document that
-    nothing real attends to; padding targets are always ignored. `doc_positions` (B, T): each input's
-    position within its document's text, for reports (default: the reset positions)."""
+    """A batch from rows of T + 1 ids (B, T + 1), the first n_real of each real. Padding inputs are EOT (each
+    its own one-token document), padding targets ignored. `doc_positions` (B, T): each input's position in
+    its document's text, for reports (default: the reset positions)."""
     real = np.arange(tokens.shape[1])[None, :] < n_real[:, None]
     tokens = torch.from_numpy(np.where(real, tokens, eot_id).astype(np.int64))
     inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
@@ -124,8 +120,7 @@ def make_batch(
 
 
 def batch_of_rows(rows: list[np.ndarray], seq_len: int, eot_id: int, flags: Flags = Flags()) -> Batch:
-    """A batch whose row r holds the tokens rows[r] (at most seq_len + 1: the inputs and the last target),
-    padded like any row. For tests and probes that lay documents out in a row by hand."""
+    """A batch whose row r holds the tokens rows[r] (at most seq_len + 1), padded: rows laid out by hand."""
     if any(len(row) > seq_len + 1 for row in rows):
         raise ValueError(f"a row holds at most seq_len + 1 = {seq_len + 1} tokens")
     tokens = np.full((len(rows), seq_len + 1), eot_id, dtype=np.int64)
@@ -139,10 +134,9 @@ def batch_of_rows(rows: list[np.ndarray], seq_len: int, eot_id: int, flags: Flag
 
 
 class Documents:
-    """The documents of one split in stream order, each its tokens and its EOT, after a BOS when `bos_id`
-    is given (the start marker enters here, when rows are built: prepared shards hold no BOS, so one
-    prepared folder serves both conventions). An index into this document stream addresses one token;
-    without the marker it is the index into the split itself."""
+    """The documents of one split in stream order, each its tokens and its EOT, after a BOS when `bos_id` is
+    given: the marker enters here, so one prepared folder serves both conventions. An index into this
+    document stream addresses one token (without the marker, the index into the split)."""
 
     def __init__(self, stream: np.ndarray, eot_id: int, bos_id: int | None = None) -> None:
         ends = eot_positions(stream, eot_id) + 1
@@ -243,9 +237,8 @@ def pad_rows(documents: Documents, seq_len: int) -> Rows:
 
 
 def bestfit_rows(documents: Documents, seq_len: int) -> Rows:
-    """Full chunks one to a row; every other chunk (whole short documents, the last chunks of long ones),
-    longest first, into the open row it fills most (best fit), or a new row when none has room. Depends on
-    the documents' lengths in stream order only: the same data gives the same rows, whatever its shards."""
+    """Full chunks one to a row; every other chunk, longest first, into the open row it fills most (best fit),
+    or a new row. From the lengths in stream order only: the same data gives the same rows."""
     start, length = document_chunks(documents, seq_len)
     capacity = seq_len + 1
     full = np.flatnonzero(length == capacity)
@@ -262,10 +255,9 @@ def bestfit_rows(documents: Documents, seq_len: int) -> Rows:
 
 
 def best_fit_decreasing(sizes: list[int], capacity: int) -> np.ndarray:
-    """The row of each item (sizes in decreasing order): the open row with the least room that still fits
-    it, else a new row. Rows are kept in stacks by their room, and a bit set (a Python int) marks the rooms
-    that some open row has, so finding the best fit is a shift and a lowest-set-bit: about a microsecond
-    an item, whatever the number of rows."""
+    """The row of each item (sizes decreasing): the open row with the least room that fits it, else a new one.
+    Rows are stacked by room and a bit set (a Python int) marks the rooms some row has, so the best fit is a
+    shift and a lowest set bit: about a microsecond an item, whatever the number of rows."""
     by_room: list[list[int]] = [[] for _ in range(capacity + 1)]
     rooms_open = 0  # bit r set: some open row has exactly r slots left
     row_of = np.empty(len(sizes), dtype=np.int64)
@@ -292,8 +284,8 @@ PACKINGS = {"concat": concat_rows, "pad": pad_rows, "bestfit": bestfit_rows}
 
 
 def packing_statistics(documents: Documents, rows: Rows, seq_len: int, max_rows: int = 8192) -> dict:
-    """How a packing holds the documents. Per row and per token from up to max_rows rows spread evenly over
-    the split (all of them when there are fewer); the share of documents split or cut from all of them."""
+    """How a packing holds the documents: per row and token from up to max_rows rows spread over the split;
+    documents split or cut from all of them."""
     chosen = np.unique(np.linspace(0, len(rows) - 1, min(max_rows, len(rows))).astype(np.int64))
     index, _ = rows.index(chosen, seq_len + 1)
     index = index[:, :-1]  # the input slots
@@ -332,12 +324,9 @@ def describe_packing(packing: str, stats: dict) -> str:
 
 
 class PackedBatches:
-    """A deterministic, resumable sequence of batches from one split.
-
-    The rows are planned once, from the data alone; they are shuffled once per epoch with a seed derived
-    from (seed, epoch), so two runs with the same seed see the same data in the same order whatever their
-    flags; the position in the sequence is two integers, saved in checkpoints.
-    """
+    """A deterministic, resumable sequence of batches from one split: rows planned once from the data alone,
+    shuffled each epoch by (seed, epoch), so runs of one seed see the same rows whatever their flags; the
+    position is two integers, saved in checkpoints."""
 
     def __init__(
         self,
@@ -398,8 +387,7 @@ class PackedBatches:
         return self.documents.document_of(self.rows.start[self.rows.first[:-1]])
 
     def next(self) -> Batch:
-        """This process's share of the next global batch: every process steps through the same row
-        order, and process r takes rows [r * batch_size, (r + 1) * batch_size) of each global batch."""
+        """This process's share of the next global batch: process r takes its r-th batch_size rows."""
         global_batch = self.batch_size * self.world_size
         if self.cursor + global_batch > len(self.rows):
             self.epoch, self.cursor = self.epoch + 1, 0
@@ -409,8 +397,8 @@ class PackedBatches:
         return self.batch(self._order[first : first + self.batch_size])
 
     def all_batches(self):
-        """Every row in order (evaluation), in batches of batch_size rows. The last is filled up with empty
-        rows, so a compiled model sees one shape and never recompiles."""
+        """Every row in order, in batches; the last filled up with empty rows, so a compiled model never
+        recompiles."""
         n = len(self.rows)
         for i in range(0, n, self.batch_size):
             rows = self._order[i : min(i + self.batch_size, n)]
@@ -425,7 +413,7 @@ class PackedBatches:
 
 
 def eot_positions(stream: np.ndarray, eot_id: int, chunk: int = 1 << 24) -> np.ndarray:
-    """Positions of every EOT, read in chunks so a large split is never compared all at once."""
+    """Positions of every EOT, read in chunks so a large split is never held in memory at once."""
     found = [np.flatnonzero(np.asarray(stream[i : i + chunk]) == eot_id) + i for i in range(0, len(stream), chunk)]
     return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
 

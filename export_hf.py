@@ -28,6 +28,7 @@ import tiktoken
 import torch
 
 import checkpoints
+import sample
 from config import Config, ConfigError, run_main, script_settings, setting
 from data import DataError
 from model import GPT
@@ -259,8 +260,8 @@ def export(out_dir: Path, to: Path, overwrite: bool = False) -> dict:
         raise ExportError(f"{to} exists: give another --to, or --overwrite=true to replace it")
     if to.exists() and not ((to / "config.json").is_file() and (to / "model.safetensors").is_file()):
         raise ExportError(f"{to} exists and is not an exported model folder: --overwrite=true replaces only those")
-    model = checkpoints.trained_model(state, torch.device("cpu"), attn_impl="sdpa").float()
-    enc = checkpoints.checkpoint_tokenizer(state)
+    model = sample.trained_model(state, torch.device("cpu"), attn_impl="sdpa").float()
+    enc = sample.checkpoint_tokenizer(state)
     config, weights = MAPPINGS[pos_emb](model)
     bos_id = enc.encode_single_token(BOS_TEXT) if BOS_TEXT in enc.special_tokens_set else enc.eot_token
     config.update(bos_token_id=bos_id, eos_token_id=enc.eot_token, dtype="float32")

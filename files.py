@@ -1,7 +1,5 @@
-"""Files that survive interrupts, and the run folder. The errors a user sees as one line, a lock the OS
-drops when its process dies, writes that leave the old file or the new one (never half of one), one
-progress line with rates and ETA, and the files of a run: where they go, how a new run replaces an old
-one, and the folder's lock. Imports nothing from the repo."""
+"""Files that survive interrupts: locks the OS drops when their process dies, writes that leave the old file
+or the new one (never half of one), the progress line, and the run folder. Imports nothing from the repo."""
 
 from __future__ import annotations
 
@@ -18,17 +16,17 @@ from pathlib import Path
 
 
 class ConfigError(Exception):
-    """Bad settings, or a folder that cannot serve; printed as one line."""
+    """Bad settings, or a folder that cannot serve."""
 
 
 class SaveFailed(Exception):
-    """A result could not be written (disk full, file size limit); printed as one line."""
+    """A result could not be written (disk full, file size limit)."""
 
 
 @contextmanager
 def exclusive_lock(path: Path, on_busy: Callable[[str], None] | None = None) -> Iterator[None]:
-    """Hold an exclusive lock on `path` for the with-block; the OS drops it if the process dies. If another
-    process holds it: call on_busy(its pid) and wait, or without on_busy raise BlockingIOError(its pid)."""
+    """An exclusive lock on `path` for the with-block. Held by another process: on_busy(its pid) and wait, or
+    without on_busy raise BlockingIOError(its pid)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
@@ -46,8 +44,7 @@ def exclusive_lock(path: Path, on_busy: Callable[[str], None] | None = None) -> 
 
 
 def lock_holder(fd: int) -> str:
-    """The process holding the lock on this open file: from the kernel's table (/proc/locks, Linux), else the
-    pid the holder wrote into the file (which a holder that died may have left)."""
+    """The process holding the lock on this file: from /proc/locks (Linux), else the pid written in it."""
     stat = os.fstat(fd)
     device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
     try:
@@ -74,9 +71,8 @@ def check_writable_folder(folder: Path, what: str) -> None:
 def replace_atomically(
     path: Path, write: Callable[[Path], None], failed: str = "could not write {path} ({reason})"
 ) -> None:
-    """write(temporary path), then rename it over `path`: an interrupt or a full disk leaves the previous
-    file (or none), never half of one; a failure is one line (SaveFailed: `failed`). The one way results,
-    logs and checkpoints are written."""
+    """write(temporary path), then rename it over `path`: an interrupt or a full disk leaves the previous file,
+    never half of one; a failure is SaveFailed(`failed`). The one way results are written."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         write(tmp)
@@ -94,11 +90,6 @@ def write_atomically(path: Path, text: str) -> None:
     replace_atomically(path, lambda tmp: tmp.write_text(text))
 
 
-def save_figure(figure, path: Path) -> None:
-    """A matplotlib figure, written atomically."""
-    replace_atomically(path, lambda tmp: figure.savefig(tmp, format=path.suffix[1:], dpi=110, bbox_inches="tight"))
-
-
 def format_duration(seconds: float) -> str:
     seconds = int(seconds)
     return (
@@ -107,9 +98,8 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    """How far long work is: `done` of `total`, rates of any counts, and the ETA. `show(progress)` makes its
-    line, printed at most every `every` seconds (rewritten in place on a terminal). The one progress line of
-    preparation, evaluation, training and the studies."""
+    """The one progress line: `done` of `total`, rates of any counts and the ETA, as `show(progress)` makes it,
+    at most every `every` seconds (rewritten in place on a terminal)."""
 
     def __init__(self, total: float, show: Callable[[Progress], str], print_line=print, every: float = 10.0) -> None:
         self.total, self.show, self.print_line = max(total, 1e-9), show, print_line
@@ -146,7 +136,7 @@ RUN_FILES = {"ckpt.pt": "checkpoint", "config.json": "settings file", "metrics.j
 
 
 def check_run_files(out_dir: Path) -> None:
-    """Each of a run's files, where it exists, is a regular file: the same one line in every mode."""
+    """Each of a run's files, where it exists, is a regular file."""
     for name, what in RUN_FILES.items():
         if (out_dir / name).exists() and not (out_dir / name).is_file():
             raise ConfigError(f"{out_dir / name} is not a file, where the run's {what} belongs: move it away")
@@ -154,9 +144,8 @@ def check_run_files(out_dir: Path) -> None:
 
 @contextmanager
 def hold(out_dir: Path, resume: bool, overwrite: bool) -> Iterator[None]:
-    """Hold out_dir for the run's lifetime: refuse a folder that another run is using (a lock that the OS
-    drops if that run dies) or that holds a finished run this one would replace. Nothing of the folder
-    changes here: a new run replaces an old one only once it has its first checkpoint (RunFiles)."""
+    """Hold out_dir for the run's lifetime: refuse a folder another run is using, or holding a run this one
+    would replace unasked. Nothing changes here: a new run replaces an old one at its first checkpoint."""
     check_run_files(out_dir)
     if resume and not (out_dir / "ckpt.pt").is_file():
         raise ConfigError(f"resume=true but {out_dir / 'ckpt.pt'} does not exist; start without --resume=true")
@@ -181,11 +170,9 @@ def hold(out_dir: Path, resume: bool, overwrite: bool) -> Iterator[None]:
 
 
 class RunFiles:
-    """Where a run writes its settings, metrics log and checkpoint. A new run in a folder that holds another
-    run's files writes its own to out_dir/.replacing/ until its first checkpoint is complete, then moves them
-    in, the checkpoint last: a run that is refused, fails or is stopped before then leaves the old run as it
-    was. The settings and the checkpoint carry the run's id, so a folder that a kill between those moves left
-    mixed is refused (checkpoints.check_one_run)."""
+    """Where a run writes its files. A new run in a folder holding another run writes to out_dir/.replacing/
+    until its first checkpoint, then moves its files in, the checkpoint last: stopped before, it leaves the
+    old run as it was. Settings and checkpoint carry the run id, so a folder left mixed is refused."""
 
     def __init__(self, out_dir: Path, run_id: str, fresh: bool, enabled: bool = True) -> None:
         self.out_dir, self.run_id = out_dir, run_id
@@ -218,8 +205,7 @@ class RunFiles:
 
 
 def read_metrics(path: Path) -> list[tuple[str, dict]]:
-    """(line, record) of each line of a metrics.jsonl. A last line cut short (a kill while it was written)
-    is dropped with a warning; damage anywhere else is one line."""
+    """(line, record) of each line of a metrics.jsonl; a last line cut short by a kill is dropped."""
     lines = path.read_text().splitlines() if path.exists() else []
     out = []
     for number, line in enumerate(lines, 1):

@@ -1,15 +1,12 @@
 """A nanoGPT-style GPT for packed documents: pre-LayerNorm blocks, GELU MLP, tied embeddings,
 learned-absolute or rotary positions taken from explicit position ids.
 
-All attention masking lives in one place, `attention_mask`: the caller builds it once per batch from
-the document ids (and the batch's doc_mask flag) and passes it to the forward, where every layer shares it.
+All attention masking is `attention_mask`, built once per batch from the document ids and shared by every layer:
   - doc_mask on, CUDA:  a FlexAttention BlockMask (block-sparse: tiles between documents are skipped)
   - doc_mask on, CPU:   a dense boolean mask for SDPA (FlexAttention has no backward on CPU)
-  - doc_mask off:       None, meaning plain causal attention (SDPA is_causal) across documents
-The mask is built outside the model, not in its forward, so that a compiled model is one graph: a mask
-built in the forward must be kept out of torch.compile, which splits the graph in two (torchtitan also
-builds masks in the trainer). Given targets, the forward returns the loss, computed inside the same
-compiled graph as the output layer, so the (B, T, vocab) logits are never copied to float32.
+  - doc_mask off:       None, plain causal attention (SDPA is_causal) across documents
+It is built outside the model so that a compiled model is one graph (as torchtitan does). Given targets, the
+forward returns the loss from the same compiled graph, so the logits are never copied to float32.
 """
 
 from __future__ import annotations
@@ -20,11 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import (
-    BlockMask,
-    create_block_mask,
-    flex_attention,
-)
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
 @dataclass
@@ -55,8 +48,7 @@ def document_causal_dense(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def positions_in_documents(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) int32: how far each slot is into its document's run in the row (0 where the run starts).
-    Independent of the reset_position_ids flag, which changes only what the model is fed."""
+    """(B, T) int32: how far each slot is into its document's run in the row, whatever reset_position_ids."""
     ids = doc_ids.contiguous()
     first_slot = torch.searchsorted(ids, ids)  # document ids never decrease along a row
     return (torch.arange(ids.shape[-1], device=ids.device) - first_slot).to(torch.int32)
@@ -73,7 +65,7 @@ def document_causal_by_ids(doc_ids: torch.Tensor):
 
 def document_causal_by_position(doc_ids: torch.Tensor):
     """The same mask with one gather a score: a document is a contiguous run of its row, so key kv is in
-    query q's document iff it lies at most q's position-in-document before q."""
+    query q's document iff it lies at most q's position in its document before q."""
     within = positions_in_documents(doc_ids)
 
     def document_causal(b, h, q_idx, kv_idx):
@@ -82,23 +74,21 @@ def document_causal_by_position(doc_ids: torch.Tensor):
     return document_causal
 
 
-# The mask functions FlexAttention can evaluate on every score of a partial tile. by_ids is the default,
-# the one timed on an H200 (results/bench_gpu_h200); `python -m studies.bench` times both (variants flex_doc
-# and flex_doc_by_position): make the other the default only where it is measured faster.
+# by_ids is the default, timed on an H200 (results/bench_gpu_h200); `python -m studies.bench` times both:
+# make the other the default only where it is measured faster.
 FLEX_MASK_FUNCTIONS = {"by_ids": document_causal_by_ids, "by_position": document_causal_by_position}
 
 
 def document_causal_block_mask(doc_ids: torch.Tensor, mask_function=document_causal_by_ids) -> BlockMask:
-    """The dense mask's FlexAttention BlockMask. B is the batch size: with B=None a batch-dependent mask
-    is silently wrong in the compiled kernel."""
+    """The dense mask as a BlockMask. B must be the batch size: with B=None a batch-dependent mask is silently
+    wrong in the compiled kernel."""
     B, T = doc_ids.shape
     build = compiled_create_block_mask if doc_ids.is_cuda else create_block_mask
     mask_mod = mask_function(doc_ids)
     return build(mask_mod, B=B, H=None, Q_LEN=T, KV_LEN=T, device=doc_ids.device)
 
 
-# torch.compile is lazy: nothing compiles until the first call. Inside a compiled model, a call of
-# compiled_flex_attention is inlined into the model's graph (and its own options are ignored).
+# Lazy: nothing compiles until the first call; inside a compiled model the call is inlined into its graph.
 compiled_create_block_mask = torch.compile(create_block_mask)
 compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 
@@ -107,9 +97,8 @@ AttentionMask = BlockMask | torch.Tensor | None
 
 
 def attention_impl(doc_mask: bool, attn_impl: str, device: torch.device) -> str:
-    """'flex' or 'sdpa': the one place that decides. The document mask is a FlexAttention BlockMask on
-    CUDA (auto) or when asked for; SDPA computes everything else: plain causal attention, and the document
-    mask as a dense boolean mask on CPU, where FlexAttention has no backward."""
+    """'flex' or 'sdpa', decided here only: the document mask runs on FlexAttention on CUDA (auto) or when
+    asked for; SDPA computes everything else."""
     if doc_mask and (attn_impl == "flex" or (attn_impl == "auto" and device.type == "cuda")):
         return "flex"
     return "sdpa"
@@ -118,8 +107,7 @@ def attention_impl(doc_mask: bool, attn_impl: str, device: torch.device) -> str:
 def attention_mask(
     doc_ids: torch.Tensor, doc_mask: bool, attn_impl: str = "auto", flex_mask: str = "by_ids"
 ) -> AttentionMask:
-    """The doc_mask flag: its whole effect is this function. Call it once per batch, outside the
-    compiled model, and pass the result to GPT.forward."""
+    """The doc_mask flag: its whole effect is this function. Once per batch, outside the compiled model."""
     if not doc_mask:
         return None
     if attention_impl(doc_mask, attn_impl, doc_ids.device) == "flex":
@@ -240,9 +228,8 @@ class GPT(nn.Module):
         mask: AttentionMask,
         targets: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token ids and position ids are (B, T); `mask` comes from `attention_mask`. Returns the logits
-        (B, T, vocab), or, given targets (B, T), each token's cross-entropy in float32 (B, T), 0 where the
-        target is cross_entropy's ignore_index (data.IGNORE_INDEX)."""
+        """Ids and position ids (B, T), `mask` from `attention_mask`. Returns the logits, or given targets each
+        token's cross-entropy in float32 (B, T), 0 where the target is data.IGNORE_INDEX (torch's default)."""
         if idx.shape[1] > self.config.seq_len:
             raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than seq_len {self.config.seq_len}")
         x = self.wte(idx)
@@ -269,10 +256,8 @@ class GPT(nn.Module):
         top_k: int | None = None,
         stop_token: int | None = None,
     ) -> torch.Tensor:
-        """Sample one document continuation from (1, T0) ids; the context is the last seq_len tokens,
-        at positions 0.. as at training time for a row that starts mid-document. One document needs only
-        causal attention (mask None: SDPA is_causal), whose kernel takes any length: a BlockMask would be
-        rebuilt, and compiled FlexAttention recompiled, for every new length."""
+        """Continue one document from (1, T0) ids; the context is the last seq_len tokens at positions 0.., as
+        for a row that starts mid-document. One document needs only causal attention (SDPA, any length)."""
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.seq_len :]
             positions = torch.arange(context.shape[1], device=idx.device).expand_as(context)
@@ -280,8 +265,7 @@ class GPT(nn.Module):
             if temperature == 0:
                 next_id = logits.argmax(-1, keepdim=True)
             else:
-                # shifted so the largest is 0 first: a tiny temperature then gives -inf, never inf - inf = nan;
-                # in float64, as a temperature below float32's range (1e-300) would become a division by 0
+                # largest shifted to 0, in float64: a tiny temperature gives -inf, never inf - inf = nan
                 logits = (logits - logits.max(-1, keepdim=True).values) / temperature
                 if top_k is not None:
                     kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]

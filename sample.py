@@ -9,15 +9,18 @@ The checkpoint holds its tokenizer, so a run folder works from any working folde
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import NamedTuple
 
+import tiktoken
 import torch
 
 import checkpoints
 from config import MAX_SEED, ConfigError, resolve_device, run_main, script_settings, setting
 from data import DataError
-from shards import decoded, document_opening
+from model import GPT, GPTConfig
+from shards import decoded, document_opening, read_tiktoken, with_start_marker
 
 
 @dataclass
@@ -32,11 +35,41 @@ class SampleSettings:
     device: str = setting("cpu", "cpu, cuda or cuda:N")
 
 
+def trained_model(state: dict, device: torch.device, attn_impl: str | None = None) -> GPT:
+    """The model of a checkpoint, in eval mode; attn_impl overrides the attention it trained with."""
+    known = {f.name for f in fields(GPTConfig)}  # checkpoints of earlier versions held doc_mask here
+    config = GPTConfig(**{k: v for k, v in state["model_config"].items() if k in known})
+    if attn_impl is not None:
+        config.attn_impl = attn_impl
+    model = GPT(config)
+    model.load_state_dict(state["model"])
+    return model.to(device).eval()
+
+
+def checkpoint_tokenizer(state: dict) -> tiktoken.Encoding:
+    """The tokenizer a checkpoint was trained with, stored in it so a run folder stands alone."""
+    tok = state["tokenizer"]
+    enc = read_tiktoken(tok["file"], tok["pattern"], tok["name"], "the checkpoint's tokenizer", tok.get("eot_id"))
+    return with_start_marker(enc, tok.get("bos_id"))
+
+
+class TrainedRun(NamedTuple):
+    model: GPT
+    tokenizer: tiktoken.Encoding
+    checkpoint: dict
+
+
+def load_run(out_dir: Path, device: torch.device, attn_impl: str | None = None) -> TrainedRun:
+    """The trained model of a run folder (in eval mode), its tokenizer and its checkpoint."""
+    state = checkpoints.read_checkpoint(Path(out_dir) / "ckpt.pt")
+    return TrainedRun(trained_model(state, device, attn_impl), checkpoint_tokenizer(state), state)
+
+
 def main(argv: list[str]) -> int:
     args = script_settings(SampleSettings, argv, __doc__, "python sample.py")
     try:
         device = resolve_device(args.device)
-        model, enc, state = checkpoints.load_run(Path(args.out_dir), device, attn_impl="sdpa")  # one document: no mask
+        model, enc, state = load_run(Path(args.out_dir), device, attn_impl="sdpa")  # one document: no mask
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

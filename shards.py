@@ -1,6 +1,5 @@
-"""Reading what prepare.py writes: a split's shards as one array (<folder>/{train,val}_NNNNNN.bin, flat
-uint16/uint32 tokens, memory-mapped), meta.json, and the tokenizer: a tiktoken Encoding whose special tokens
-are EOT and, with the start marker, BOS. Training needs only this and data.py, not prepare.py."""
+"""Reading what prepare.py writes: a split's shards ({train,val}_NNNNNN.bin, flat uint16/uint32 tokens) as one
+memory-mapped array, meta.json, and the tokenizer, whose special tokens are EOT and, with the marker, BOS."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ META_KEYS = (
 
 
 class TokenStream:
-    """The tokens of one split, as one array over its shard files: len(), slices (read into memory) and
-    integer-array indexing (a gather across shards, so a row may span two of them)."""
+    """One split's tokens as one array over its shard files: len(), slices, and integer-array gathers."""
 
     def __init__(self, parts: list[np.ndarray]) -> None:
         self.parts = parts
@@ -86,8 +84,8 @@ def is_prepared_folder(dataset: str) -> bool:
 
 
 def load_shards(path: Path) -> Shards:
-    """Memory-map prepared shards, checking that every file is complete and consistent (sizes always;
-    token ids in the first and last MiB of each shard, so loading stays fast on any corpus)."""
+    """Memory-map prepared shards, checking every file is complete (sizes; token ids in each shard's first and
+    last MiB, so loading stays fast on any corpus)."""
     meta_path = Path(path) / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
@@ -147,8 +145,8 @@ def load_tokenizer(path: Path) -> tiktoken.Encoding:
 
 
 def leading_documents(stream: TokenStream | np.ndarray, eot_id: int, max_tokens: int) -> TokenStream | np.ndarray:
-    """The whole documents at the start of a split that fit in max_tokens (at least the first one; all
-    for 0): a fixed subset, the same for every run, since the stream's order depends only on data_seed."""
+    """The whole documents at a split's start that fit in max_tokens (at least one; 0: all): the same for
+    every run, since the order depends only on data_seed."""
     if max_tokens == 0 or max_tokens >= len(stream):
         return stream
     head = np.asarray(stream[:max_tokens])
@@ -164,16 +162,14 @@ def leading_documents(stream: TokenStream | np.ndarray, eot_id: int, max_tokens:
 
 
 def tiktoken_encoding(ranks: dict[bytes, int], pattern: str, name: str, eot_id: int | None = None) -> tiktoken.Encoding:
-    """An Encoding of these merge ranks whose one special token is EOT: at `eot_id` (a named tiktoken
-    encoding keeps its own), or the id after the last rank (a BPE trained here)."""
+    """An Encoding whose one special token is EOT: at `eot_id`, or after the last rank (a BPE trained here)."""
     eot_id = max(ranks.values()) + 1 if eot_id is None else eot_id
     return tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens={EOT_TEXT: eot_id})
 
 
 def read_tiktoken(content: bytes, pattern: str, name: str, where: str, eot_id: int | None = None) -> tiktoken.Encoding:
-    """A .tiktoken file's content (one 'base64-token rank' per line, ranks 0..n-1 once each, every byte a
-    token), checked; `where` names it in errors; EOT at `eot_id` (see tiktoken_encoding). The one reader:
-    of shards, checkpoints and user files."""
+    """A .tiktoken file's content ('base64-token rank' lines, ranks 0..n-1 once, every byte a token), checked;
+    `where` names it in errors. The one reader, of shards, checkpoints and user files."""
     ranks: dict[bytes, int] = {}
     for line_no, line in enumerate(content.splitlines(), 1):
         if not line:
@@ -200,9 +196,8 @@ def read_tiktoken(content: bytes, pattern: str, name: str, where: str, eot_id: i
 
 
 def start_marker_id(enc: tiktoken.Encoding) -> int:
-    """The BOS id for a tokenizer: the first id past its vocabulary (one past the EOT for a BPE trained
-    here; 50257 for gpt2). A vocabulary that holds the marker's text as an ordinary token is refused: the
-    two would decode alike, and an exported tokenizer could not tell them apart."""
+    """The BOS id: the first past the vocabulary (50257 for gpt2). A vocabulary holding the marker's text as a
+    token is refused: the two would decode alike."""
     if BOS_TEXT.encode() in enc._mergeable_ranks:  # tiktoken exposes no public accessor for the ranks
         raise DataError(
             f"tokenizer {enc.name} holds {BOS_TEXT!r} as an ordinary token (id "
@@ -212,8 +207,7 @@ def start_marker_id(enc: tiktoken.Encoding) -> int:
 
 
 def with_start_marker(enc: tiktoken.Encoding, bos_id: int | None) -> tiktoken.Encoding:
-    """The run's tokenizer: `enc`, with the BOS as a second special token when the run uses the marker.
-    Text is always encoded with encode_ordinary, so a literal "<|bos|>" in a document stays text."""
+    """`enc` with the BOS as a second special token (text is encoded with encode_ordinary: "<|bos|>" stays text)."""
     if bos_id is None:
         return enc
     specials = {EOT_TEXT: enc.eot_token, BOS_TEXT: bos_id}
@@ -223,14 +217,13 @@ def with_start_marker(enc: tiktoken.Encoding, bos_id: int | None) -> tiktoken.En
 
 
 def document_opening(enc: tiktoken.Encoding, text: str) -> list[int]:
-    """The ids a document that begins with `text` starts with, as the run's documents start: the BOS first
-    when the tokenizer has one (prompts of samples, exports' checks)."""
+    """The ids a document beginning with `text` starts with: the BOS first when the tokenizer has one."""
     bos = [enc.encode_single_token(BOS_TEXT)] if BOS_TEXT in enc.special_tokens_set else []
     return bos + enc.encode_ordinary(text)
 
 
 def decoded(enc: tiktoken.Encoding, ids: list[int]) -> str:
-    """A generated document's text: its ids up to its EOT, without the BOS and the ids past the tokenizer's
-    (the model's vocabulary is padded to a multiple of 64, so an untrained model can sample them)."""
+    """A generated document's text: up to its EOT, without the BOS and ids past the tokenizer's (the model's
+    vocabulary is padded to a multiple of 64)."""
     ids = ids[: ids.index(enc.eot_token)] if enc.eot_token in ids else ids
     return enc.decode([t for t in ids if t < enc.n_vocab and t not in enc._special_tokens.values()])

@@ -2,12 +2,10 @@
 
     python train.py                                   # the CPU quickstart on the built-in corpus
     python train.py configs/gpt2_small_gpu.toml       # a config file
-    python train.py --doc_mask=false --max_iters=100  # any field as --key=value, after the file
+    python train.py --doc_mask=false --max_iters=100  # any field of config.Config as --key=value (--help)
 
-Every setting is a field of `Config` in config.py, with its default and help text (`--help` lists them).
-The resolved config is saved to out_dir/config.json; metrics go to out_dir/metrics.jsonl; the checkpoint
-to out_dir/ckpt.pt. This file is the recipe, top to bottom: model, optimizer, loss, evaluation, several
-processes, then the run in its steps: data, model, the loop, a sample.
+Writes out_dir/config.json, metrics.jsonl and ckpt.pt. The recipe, top to bottom: model, optimizer, loss,
+evaluation, several processes, the metrics log, then the run in its steps: data, model, the loop, a sample.
 """
 
 from __future__ import annotations
@@ -47,7 +45,7 @@ from shards import (
 
 
 class TrainingDiverged(Exception):
-    """The loss became non-finite; printed as one line."""
+    """The loss became non-finite."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -63,8 +61,8 @@ def model_settings(cfg: Config, vocab_size: int) -> GPTConfig:
 
 
 def check_fits(config: GPTConfig, batch_size: int, device: torch.device) -> None:
-    """Refuse a model that cannot fit: weights, gradients and AdamW state (16 bytes a parameter in fp32)
-    plus one fp32 copy of the logits are a lower bound on what training needs."""
+    """Refuse a model that cannot fit: weights, gradients and AdamW state (16 bytes a parameter) plus one fp32
+    copy of the logits are a lower bound on what training needs."""
     d, T = config.n_embd, config.seq_len
     params = config.vocab_size * d + config.n_layer * (12 * d * d + 4 * d) + 2 * d
     params += T * d if config.pos_emb == "learned" else 0
@@ -81,7 +79,7 @@ def check_fits(config: GPTConfig, batch_size: int, device: torch.device) -> None
 
 
 def autocast(device: torch.device, dtype: str = "auto"):
-    """The compute precision: bfloat16 autocast on CUDA (dtype auto), float32 elsewhere. The one place."""
+    """The compute precision, in one place: bfloat16 autocast on CUDA (dtype auto), float32 elsewhere."""
     if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext()
@@ -107,10 +105,8 @@ def make_optimizer(model: GPT, cfg: Config, device: torch.device) -> torch.optim
 
 
 def token_losses(model: torch.nn.Module, batch: Batch, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's cross-entropy (B, T), 0 where the target does not count, and which targets count
-    (B, T bool). The one loss of this repo: training sums it; evaluation and the ablation probes also read
-    it by position. The attention mask is built here, once per batch and outside the (compiled) model,
-    from the batch's document ids and its doc_mask flag."""
+    """The one loss of this repo: each token's cross-entropy (B, T), 0 where the target does not count, and
+    which targets count. The attention mask is built here, once per batch, outside the (compiled) model."""
     mask = attention_mask(batch.doc_ids, batch.doc_mask, config.attn_impl, config.flex_mask)
     return model(batch.inputs, batch.position_ids, mask, batch.targets), batch.counted
 
@@ -118,9 +114,8 @@ def token_losses(model: torch.nn.Module, batch: Batch, config: GPTConfig) -> tup
 def accumulate_gradients(
     model: torch.nn.Module, micro_batches: list[Batch], precision, config: GPTConfig
 ) -> torch.Tensor:
-    """Backward over all micro-batches of one step; returns the step's mean loss. The loss is normalised
-    by the counted targets of the whole step (on every process), so every target weighs the same
-    however they fall into micro-batches and processes."""
+    """Backward over one step's micro-batches; returns its mean loss. Normalised by the counted targets of the
+    whole step on every process, so each target weighs the same wherever it falls."""
     n_counted = sum(b.counted.sum() for b in micro_batches)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if world_size > 1:
@@ -150,70 +145,60 @@ def evaluate(
     precision,
     print_progress=None,
 ) -> dict:
-    """On the fixed validation subset (whole documents), planned once per run:
-    val_loss: `packed`, rows under this run's packing and flags.
-    val_doc_loss: `alone`, every document alone from its start (the inference setting; the same
-    computation for every run with the same start marker). Under the marker it scores each document's first
-    token too (predicted from the BOS); val_doc_loss_from_second scores the targets both conventions share
-    (every token from the second on, and the EOT), so the two can be compared. Loss sums and counted
-    targets by position within the document's text (the input's position, below seq_len: position p predicts
-    the token after the p-th) and by document are kept too, so that any band of positions, or any subset of
-    documents, can be scored from metrics.jsonl without running the model again. `print_progress`: where to
-    print progress every 10 seconds, when there is that much to do (None: nowhere)."""
+    """On the fixed validation documents. val_loss: `packed`, rows under the run's packing and flags.
+    val_doc_loss: `alone`, each document alone from its start (the inference setting), with its first token
+    under the marker; val_doc_loss_from_second: the targets both conventions share. Sums by position in the
+    text (position p predicts the token after the p-th) and by document are kept, so any band or subset can
+    be scored from metrics.jsonl. Progress goes to `print_progress` every 10 seconds (None: nowhere)."""
     model.eval()
-    seq_len, batch_size = alone.seq_len, alone.batch_size
-    n_batches = -(-len(packed) // packed.batch_size) - (-len(alone) // batch_size)
+    n_batches = -(-len(packed) // packed.batch_size) - (-len(alone) // alone.batch_size)
     progress = evaluation_progress(n_batches, print_progress)
-    total, count = torch.zeros((), device=device), torch.zeros((), device=device)
-    for batch in packed.all_batches():
+
+    def losses_of(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Batch]:
         progress.advance(1)
         batch = batch.to(device)
         with precision:
-            losses, counted = token_losses(model, batch, model_config)
+            return *token_losses(model, batch, model_config), batch
+
+    total = count = torch.zeros((), device=device)
+    for batch in packed.all_batches():
+        losses, counted, _ = losses_of(batch)
         total, count = total + losses.sum(), count + counted.sum()
     document_of_row = torch.from_numpy(alone.document_of_rows()).to(device)  # a long document has several rows
-    n_documents = len(alone.documents)
+    n_documents, seq_len, marker = len(alone.documents), alone.seq_len, alone.documents.marker
     by_position = torch.zeros(2, seq_len, dtype=torch.float64, device=device)  # loss sum, counted targets
-    by_document = torch.zeros(2, n_documents, dtype=torch.float64, device=device)
-    first_token = torch.zeros(n_documents, dtype=torch.float64, device=device)  # predicted from the BOS
-    for first_row, batch in zip(range(0, len(alone), batch_size), alone.all_batches()):
-        progress.advance(1)
-        batch = batch.to(device)
-        with precision:
-            losses, counted = token_losses(model, batch, model_config)
-        rows = document_of_row[first_row : first_row + batch_size]
+    by_document = torch.zeros(3, n_documents, dtype=torch.float64, device=device)  # and the first token's loss
+    for first_row, batch in zip(range(0, len(alone), alone.batch_size), alone.all_batches()):
+        losses, counted, batch = losses_of(batch)
+        rows = document_of_row[first_row : first_row + alone.batch_size]
         real = slice(0, len(rows))  # the last batch is filled up with empty rows
-        by_document[0].index_add_(0, rows, losses[real].sum(1).double())
-        by_document[1].index_add_(0, rows, counted[real].sum(1).double())
         from_bos = counted & (batch.doc_positions == -1)
-        first_token.index_add_(0, rows, (losses * from_bos)[real].sum(1).double())
+        sums = [losses[real].sum(1), counted[real].sum(1), (losses * from_bos)[real].sum(1)]
+        by_document.index_add_(1, rows, torch.stack([x.double() for x in sums]))
         in_text = counted & (batch.doc_positions >= 0) & (batch.doc_positions < seq_len)  # not later chunks
         positions = batch.doc_positions[in_text]
-        by_position[0].index_add_(0, positions, losses[in_text].double())
-        by_position[1].index_add_(0, positions, torch.ones_like(positions, dtype=torch.float64))
+        by_position.index_add_(
+            1, positions, torch.stack([losses[in_text].double(), torch.ones_like(positions, dtype=torch.float64)])
+        )
     model.train()
-    n_positions = int((by_position[1] > 0).sum())
-    by_position = by_position[:, :n_positions].tolist()
-    by_document = by_document.tolist()
-    marker = alone.documents.marker
+    by_position = by_position[:, : int((by_position[1] > 0).sum())].tolist()
+    (loss_sums, counts, first_token), first_token_sum = by_document.tolist(), by_document[2].sum().item()
     result = {
         "val_loss": (total / count.clamp(min=1)).item(),
-        "val_doc_loss": sum(by_document[0]) / max(1.0, sum(by_document[1])),
-        "val_doc_loss_from_second": (sum(by_document[0]) - float(first_token.sum()))
-        / max(1.0, sum(by_document[1]) - marker * n_documents),
+        "val_doc_loss": sum(loss_sums) / max(1.0, sum(counts)),
+        "val_doc_loss_from_second": (sum(loss_sums) - first_token_sum) / max(1.0, sum(counts) - marker * n_documents),
         "val_doc_loss_sum_by_position": [round(x, 4) for x in by_position[0]],
         "val_doc_count_by_position": [int(x) for x in by_position[1]],
-        "val_doc_loss_sum_by_document": [round(x, 4) for x in by_document[0]],
-        "val_doc_count_by_document": [int(x) for x in by_document[1]],
+        "val_doc_loss_sum_by_document": [round(x, 4) for x in loss_sums],
+        "val_doc_count_by_document": [int(x) for x in counts],
     }
     if marker:
-        result["val_first_token_loss"] = float(first_token.mean())
-        result["val_doc_first_token_loss_by_document"] = [round(x, 4) for x in first_token.tolist()]
+        result["val_first_token_loss"] = by_document[2].mean().item()
+        result["val_doc_first_token_loss_by_document"] = [round(x, 4) for x in first_token]
     return result
 
 
 def evaluation_progress(n_batches: int, print_progress) -> Progress:
-    """A line every 10 seconds of a long evaluation: batches done of all, and the ETA."""
     return Progress(
         n_batches,
         lambda p: f"eval: {p.done:.0f}/{p.total:.0f} batches, ETA {p.eta()}",
@@ -224,16 +209,15 @@ def evaluation_progress(n_batches: int, print_progress) -> Progress:
 def validation_sets(
     val: np.ndarray, eot_id: int, cfg: Config, bos_id: int | None = None
 ) -> tuple[PackedBatches, PackedBatches]:
-    """The validation documents as `evaluate` takes them: rows under the run's packing and flags, and each
-    document alone (pad rows, every fix on: the inference setting)."""
+    """The validation documents as `evaluate` takes them: packed as the run packs, and each alone."""
     common = dict(eot_id=eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, bos_id=bos_id, shuffle=False)
     packed = PackedBatches(val, packing=cfg.packing, flags=cfg.flags, split="val", **common)
     return packed, PackedBatches(val, packing="pad", split="val", **common)
 
 
 def eval_token_budget(cfg: Config, world_size: int = 1) -> int:
-    """eval_tokens, with -1 (the default) made to suit the run: a quarter of the tokens trained between two
-    evaluations, within [32,768, 1,000,000] (0: every validation document)."""
+    """eval_tokens, with -1 made to suit the run: a quarter of the tokens trained between two evaluations,
+    within [32,768, 1,000,000]."""
     if cfg.eval_tokens >= 0:
         return cfg.eval_tokens
     between = cfg.batch_size * cfg.grad_accum * cfg.seq_len * world_size * min(cfg.eval_interval, cfg.max_iters)
@@ -245,8 +229,7 @@ def eval_token_budget(cfg: Config, world_size: int = 1) -> int:
 
 
 def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
-    """(rank, world_size, device). Under torchrun (WORLD_SIZE > 1) joins the process group: NCCL on GPU,
-    gloo on CPU, one GPU per process."""
+    """(rank, world_size, device); under torchrun, joins the process group (NCCL on GPU, else gloo)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device = resolve_device(cfg.device)
     if world_size == 1:
@@ -259,9 +242,8 @@ def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
 
 
 def agree(error: Exception | None) -> None:
-    """Raise on every process the error that any process had (None: there was none). A collective under
-    torchrun, so that an error on one process before a barrier stops them all with the same one line
-    instead of leaving the others waiting."""
+    """Raise on every process the error any process had (None: none), so that under torchrun an error on one
+    stops them all with the same line instead of leaving the others waiting."""
     if not dist.is_initialized():
         if error is not None:
             raise error
@@ -274,8 +256,7 @@ def agree(error: Exception | None) -> None:
 
 
 class StopRequest:
-    """Ctrl-C, SIGTERM or SIGHUP: finish the step in flight, checkpoint, exit 0; a second one stops at once.
-    A context manager, so the previous handlers come back when training returns."""
+    """Ctrl-C, SIGTERM or SIGHUP: finish the step in flight, checkpoint, exit 0; a second one stops at once."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -295,8 +276,7 @@ class StopRequest:
         print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint", flush=True)
 
     def agreed(self, step: int, every: int, device: torch.device) -> bool:
-        """Stop after this step? Under DDP the processes agree every `every` steps (a collective, on all of
-        them), so none is left waiting for the others."""
+        """Stop after this step? Under DDP the processes agree every `every` steps, so none is left waiting."""
         if not dist.is_initialized():
             return self.requested
         if step % every:
@@ -311,42 +291,34 @@ class StopRequest:
 
 
 class MetricsLog:
-    """out_dir/metrics.jsonl, plus wandb when asked for, and the progress lines: each training record
-    carries the throughput since the previous one (evaluations excluded) and the ETA. Its clock starts
-    when the `with` block is entered, at the first step."""
+    """out_dir/metrics.jsonl (and wandb when asked for), and the training lines: the throughput since the
+    previous record, evaluations excluded, and the ETA, on a clock that starts at the `with` block."""
 
-    def __init__(
-        self, files: RunFiles, cfg: Config, resume_step: int | None, world_size: int = 1, enabled=True
-    ) -> None:
-        self.files, self.enabled, self.wandb_run = files, enabled, None
-        self.first_step, self.max_iters, self.world_size = resume_step or 0, cfg.max_iters, world_size
+    def __init__(self, files: RunFiles, cfg: Config, resume_step: int | None, world_size=1, enabled=True) -> None:
+        self.files, self.enabled, self.world_size, self.wandb_run = files, enabled, world_size, None
+        self.first_step, self.max_iters = resume_step or 0, cfg.max_iters
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * world_size
         self.counted_since_log: torch.Tensor | int = 0  # on the device until a log step: no per-step sync
         if not enabled:  # processes other than 0 under DDP
             return
-        path = files.path("metrics.jsonl")
-        if resume_step is None:
-            write_atomically(path, "")
-        else:  # drop what was logged after the checkpoint, so the log reads as one run
-            kept = [line for line, record in read_metrics(path) if record["step"] <= resume_step]
-            write_atomically(path, "".join(line + "\n" for line in kept))
-        if cfg.wandb:
-            try:
+        path = files.path("metrics.jsonl")  # a resumed log drops what was logged after the checkpoint
+        kept = [] if resume_step is None else [line for line, r in read_metrics(path) if r["step"] <= resume_step]
+        write_atomically(path, "".join(line + "\n" for line in kept))
+        try:
+            if cfg.wandb:
                 import wandb
 
+                name, folder = cfg.wandb_run_name or files.out_dir.name, os.environ.get("WANDB_DIR", str(files.out_dir))
+                config = dataclasses.asdict(cfg)
                 self.wandb_run = wandb.init(
-                    project=cfg.wandb_project,
-                    name=cfg.wandb_run_name or files.out_dir.name,
-                    config=dataclasses.asdict(cfg),
-                    resume="allow",
-                    dir=os.environ.get("WANDB_DIR", str(files.out_dir)),
+                    project=cfg.wandb_project, name=name, config=config, resume="allow", dir=folder
                 )
-            except Exception as e:
-                print(
-                    f"warning: wandb logging is off ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                    "set WANDB_MODE=offline to log without an account",
-                    file=sys.stderr,
-                )
+        except Exception as e:
+            print(
+                f"warning: wandb logging is off ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                "set WANDB_MODE=offline to log without an account",
+                file=sys.stderr,
+            )
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -361,24 +333,17 @@ class MetricsLog:
             self.wandb_run.log({k: v for k, v in record.items() if not isinstance(v, list)}, step=record["step"])
 
     def count(self, batches: list[Batch]) -> None:
-        """Add a step's counted targets, for the rate of useful tokens."""
         self.counted_since_log = self.counted_since_log + sum(b.counted.sum() for b in batches)
 
     def training(self, step: int, loss: torch.Tensor, lr: float) -> None:
-        """Write and print the training record of this step."""
         if not self.enabled:
             return
-        now = time.time()
-        tok_s = (step - self.step_at_log) * self.tokens_per_step / (now - self.t_log)
+        seconds = time.time() - self.t_log
+        tok_s = (step - self.step_at_log) * self.tokens_per_step / seconds
+        counted_s = float(self.counted_since_log) * self.world_size / seconds
+        record = dict(step=step, train_loss=round(loss.item(), 4), lr=lr, tokens_per_sec=round(tok_s))
+        self.write({**record, "counted_tokens_per_sec": round(counted_s)})
         self.progress.done = step - self.first_step
-        record = {
-            "step": step,
-            "train_loss": round(loss.item(), 4),
-            "lr": lr,
-            "tokens_per_sec": round(tok_s),
-            "counted_tokens_per_sec": round(float(self.counted_since_log) * self.world_size / (now - self.t_log)),
-        }
-        self.write(record)
         print(
             f"step {step:>5}/{self.max_iters} | loss {record['train_loss']:.4f} | lr {lr:.2e} | "
             f"{tok_s:,.0f} tok/s | ETA {self.progress.eta()}",
@@ -387,8 +352,7 @@ class MetricsLog:
         self.t_log, self.step_at_log, self.counted_since_log = time.time(), step, 0
 
     def evaluated(self, result: dict, seconds: float) -> None:
-        """Print the evaluation (written already, before its checkpoint); its time does not count against
-        training throughput."""
+        """Print the evaluation (written already, before its checkpoint), whose time is not training's."""
         if self.enabled:
             print(
                 f"eval {result['step']:>5} | val_loss {result['val_loss']:.4f} | "
@@ -398,10 +362,8 @@ class MetricsLog:
         self.t_log += seconds
 
     def __enter__(self) -> MetricsLog:
-        # the ETA only: the training record prints the line
-        self.progress = Progress(self.max_iters - self.first_step, str, lambda line: None)
-        self.t_log = time.time()
-        self.step_at_log = self.first_step
+        self.progress = Progress(self.max_iters - self.first_step, str, lambda line: None)  # for the ETA
+        self.t_log, self.step_at_log = time.time(), self.first_step
         return self
 
     def __exit__(self, *exc) -> None:

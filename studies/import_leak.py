@@ -35,9 +35,9 @@ import numpy as np
 import tiktoken
 import torch
 
-import checkpoints
 import data
 import files
+import sample
 import shards
 import train
 from config import Config, ConfigError, resolve_device, run_main, script_settings, setting
@@ -351,7 +351,7 @@ def validation_pairs(prepared: shards.Shards, enc: tiktoken.Encoding, n_pairs: i
 
 def probe_run(out_dir: Path, device: torch.device, n_pairs: int = 64, samples: int = 8) -> dict:
     """The probe on a run folder's model, under its settings, with pairs from its validation split."""
-    model, enc, checkpoint = checkpoints.load_run(out_dir, device)
+    model, enc, checkpoint = sample.load_run(out_dir, device)
     cfg = Config(**checkpoint["config"])
     pairs = validation_pairs(shards.load_shards(Path(checkpoint["shards"])), enc, n_pairs)
     return probe(model, cfg.flags, enc, pairs, samples, device, cfg.dtype)

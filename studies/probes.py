@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import checkpoints
 import data
+import sample
 from config import Config, resolve_device
 from model import GPT
 from shards import Shards, TokenStream, leading_documents, load_shards
@@ -76,7 +76,7 @@ def run_probes(out_dir: Path, cfg: Config, n_docs: int, offsets: list[int]) -> d
     """The probe documents' loss after k tokens of other documents (the last of them an EOT; k = 1 is the
     EOT alone), and after one unrelated document and its EOT."""
     device = resolve_device(cfg.device)
-    model, _, checkpoint = checkpoints.load_run(out_dir, device)
+    model, _, checkpoint = sample.load_run(out_dir, device)
     shards = load_shards(Path(checkpoint["shards"]))
     docs, filler, unrelated = probe_inputs(shards, n_docs, cfg.seq_len, offsets)
     offset_loss = {}

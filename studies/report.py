@@ -8,6 +8,7 @@ enough to write them again, without running anything:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -28,6 +29,13 @@ from studies.plan import (
     probes_invariant,
 )
 from studies.tables import markdown_table
+
+
+def save_figure(figure, path: Path) -> None:
+    """A matplotlib figure, written atomically."""
+    files.replace_atomically(
+        path, functools.partial(figure.savefig, format=path.suffix[1:], dpi=110, bbox_inches="tight")
+    )
 
 
 def band_loss(
@@ -384,7 +392,7 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
         ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
         ax.axvline(0, color="black", lw=0.8)
         ax.set_xlabel("effect vs baseline (nats), 95% CI")
-    files.save_figure(fig, out / "effects.png")
+    save_figure(fig, out / "effects.png")
 
     # loss_by_position.png: difference to the reference by position within the document
     fig, axes = panels()
@@ -407,7 +415,7 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
         ax.set_xlabel("position within the document (early band shaded)")
     axes[0].set_ylabel("loss minus its baseline's (same seed)")
     axes[0].legend(fontsize=8)
-    files.save_figure(fig, out / "loss_by_position.png")
+    save_figure(fig, out / "loss_by_position.png")
 
     # offset_probe.png: the probe documents' loss by what precedes them
     fig, axes = panels()
@@ -419,7 +427,7 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
         ax.set_xlabel("tokens of other documents before the document (1: the EOT alone)")
     axes[0].set_ylabel("loss on the document")
     axes[0].legend(fontsize=8)
-    files.save_figure(fig, out / "offset_probe.png")
+    save_figure(fig, out / "offset_probe.png")
 
     if all("import_leak" in r for pos in runs for cell in runs[pos].values() for r in cell.values()):
         fig, axes = panels()
@@ -435,7 +443,7 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
             ax.set_xlabel("files before B that import m")
         axes[0].set_ylabel("Δ log P(import m) vs B alone (nats)")
         axes[0].legend(fontsize=8)
-        files.save_figure(fig, out / "import_leak.png")
+        save_figure(fig, out / "import_leak.png")
     plt.close("all")
 
 

@@ -44,7 +44,7 @@ def exported(run, tmp_path_factory):
 
 def ours(run):
     state = checkpoints.read_checkpoint(run / "ckpt.pt")
-    return checkpoints.trained_model(state, torch.device("cpu")), checkpoints.checkpoint_tokenizer(state), state
+    return sample.trained_model(state, torch.device("cpu")), sample.checkpoint_tokenizer(state), state
 
 
 def test_the_folder_loads_offline_with_the_auto_classes(exported, run):

@@ -23,7 +23,6 @@ import pytest
 import torch
 from conftest import ROOT, make_documents, tiny_args
 
-import checkpoints
 import corpora
 import files
 import prepare
@@ -523,7 +522,7 @@ def test_a_named_encoding_keeps_its_end_of_text_id_through_shards_and_checkpoint
             "eot_id": 300,
         }
     }
-    assert checkpoints.checkpoint_tokenizer(state).eot_token == 300
+    assert sample.checkpoint_tokenizer(state).eot_token == 300
     gapped = {k: v + (v >= 100) for k, v in ranks.items()}  # no rank 100
     fake = tiktoken.Encoding(
         "gapped", pat_str=prepare.SPLIT_PATTERN, mergeable_ranks=gapped, special_tokens={"<|endoftext|>": 300}

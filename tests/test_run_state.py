@@ -27,6 +27,7 @@ import sample
 import train
 from config import Config, ConfigError, parse_config
 from data import DataError
+from studies import report
 
 pytestmark = pytest.mark.slow  # every test here trains a model or starts a process
 
@@ -82,7 +83,7 @@ def test_a_checkpoint_damaged_inside_its_weights_is_refused_by_every_reader(trai
     torch.load(ckpt, weights_only=False)  # torch itself reads the damaged file without a word
     for reader in (
         lambda: checkpoints.read_checkpoint(ckpt),
-        lambda: checkpoints.load_run(run, torch.device("cpu")),  # sampling and the studies' probes
+        lambda: sample.load_run(run, torch.device("cpu")),  # sampling and the studies' probes
         lambda: export_hf.export(run, tmp_path / "hf"),
         lambda: train.train(parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=6"])),
     ):
@@ -323,7 +324,7 @@ def test_a_result_that_cannot_be_written_is_one_line(tmp_path):
 
     (tmp_path / "figure.png").mkdir()  # nothing can be written there
     with pytest.raises(files.SaveFailed, match="could not write"):
-        files.save_figure(plt.figure(), tmp_path / "figure.png")
+        report.save_figure(plt.figure(), tmp_path / "figure.png")
     (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)
     run_files = files.RunFiles(tmp_path / "run", "id", fresh=False)
     with pytest.raises(files.SaveFailed, match="could not write"):
