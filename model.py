@@ -222,11 +222,7 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(
-        self,
-        idx: torch.Tensor,
-        position_ids: torch.Tensor,
-        mask: AttentionMask,
-        targets: torch.Tensor | None = None,
+        self, idx: torch.Tensor, position_ids: torch.Tensor, mask: AttentionMask, targets: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Ids and position ids (B, T), `mask` from `attention_mask`. Returns the logits, or given targets each
         token's cross-entropy in float32 (B, T), 0 where the target is data.IGNORE_INDEX (torch's default)."""

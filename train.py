@@ -28,20 +28,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import checkpoints
+import shards
 from config import Config, Interrupted, help_text, interrupted_exit_code, parse_config, resolve_device, run_main
 from data import Batch, DataError, Flags, PackedBatches, describe_packing
 from files import ConfigError, Progress, RunFiles, SaveFailed, hold, read_metrics, write_atomically
 from model import GPT, GPTConfig, attention_impl, attention_mask
-from shards import (
-    decoded,
-    document_opening,
-    is_prepared_folder,
-    leading_documents,
-    load_shards,
-    load_tokenizer,
-    start_marker_id,
-    with_start_marker,
-)
 
 
 class TrainingDiverged(Exception):
@@ -53,11 +44,8 @@ class TrainingDiverged(Exception):
 
 
 def model_settings(cfg: Config, vocab_size: int) -> GPTConfig:
-    same_names = ("seq_len", "n_layer", "n_head", "n_embd", "dropout", "pos_emb", "attn_impl")
-    return GPTConfig(
-        vocab_size=math.ceil(vocab_size / 64) * 64,  # a multiple of 64 is faster on GPU
-        **{name: getattr(cfg, name) for name in same_names},
-    )
+    same = {name: getattr(cfg, name) for name in ("seq_len", "n_layer", "n_head", "n_embd", "dropout", "pos_emb")}
+    return GPTConfig(vocab_size=math.ceil(vocab_size / 64) * 64, attn_impl=cfg.attn_impl, **same)  # 64: fast on GPU
 
 
 def check_fits(config: GPTConfig, batch_size: int, device: torch.device) -> None:
@@ -396,7 +384,7 @@ def train(cfg: Config) -> dict:
 def adopt_prepared_settings(cfg: Config, folder: Path, log=print) -> None:
     """The data settings a prepared folder was made with become the run's, so that config.json records what
     the run used; a setting given otherwise (not its default) contradicts the data and is refused."""
-    meta = load_shards(folder).meta
+    meta = shards.load_shards(folder).meta
     made, defaults, adopted = meta["settings"], Config(), []
     same_tokenizer = cfg.tokenizer == meta["tokenizer"] or (  # a .tiktoken file is known by its content
         Path(cfg.tokenizer).is_file()
@@ -428,7 +416,7 @@ def prepared_data(cfg: Config, main_process: bool, log) -> Path:
     """The run's shard folder: a prepared folder given as the dataset (whose data settings the run adopts),
     or the corpus prepared first: process 0 prepares, the others then find it. Preparation (prepare.py and
     corpora.py) is imported only then: training on a prepared folder needs neither."""
-    if is_prepared_folder(cfg.dataset):
+    if shards.is_prepared_folder(cfg.dataset):
         adopt_prepared_settings(cfg, Path(cfg.dataset), log)
         return Path(cfg.dataset)
     from prepare import prepare_for
@@ -463,31 +451,23 @@ def load_data(cfg: Config, state: dict | None, rank: int, world_size: int, devic
         shard_path = checkpoints.checkpoint_shards(ckpt_path, state)
     else:
         shard_path = prepared_data(cfg, rank == 0, log)
-    shards = load_shards(shard_path)
-    if state is not None and state["tokenizer_sha256"] != shards.meta["tokenizer_sha256"]:
+    prepared = shards.load_shards(shard_path)
+    if state is not None and state["tokenizer_sha256"] != prepared.meta["tokenizer_sha256"]:
         raise ConfigError(f"{ckpt_path} was trained with another tokenizer than the shards in {shard_path}")
     if cfg.eval_tokens == -1:  # resolved once, and kept in config.json and the checkpoint: a resumed run
         # (whose max_iters or eval_interval may change) evaluates on the same documents
         saved = state["config"]["eval_tokens"] if state is not None else -1
         cfg.eval_tokens = saved if saved >= 0 else eval_token_budget(cfg, world_size)
-    val = leading_documents(shards.val, shards.eot_id, cfg.eval_tokens)
-    enc = load_tokenizer(shard_path)
-    bos_id = start_marker_id(enc) if cfg.bos else None
-    train_batches = PackedBatches(
-        shards.train,
-        shards.eot_id,
-        cfg.seq_len,
-        cfg.batch_size,
-        cfg.packing,
-        flags=cfg.flags,
-        bos_id=bos_id,
-        seed=cfg.seed,
-        rank=rank,
-        world_size=world_size,
+    eot_id, enc = prepared.eot_id, shards.load_tokenizer(shard_path)
+    val = shards.leading_documents(prepared.val, eot_id, cfg.eval_tokens)
+    bos_id = shards.start_marker_id(enc) if cfg.bos else None
+    shape = dict(eot_id=eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, packing=cfg.packing, bos_id=bos_id)
+    train_rows = PackedBatches(
+        prepared.train, flags=cfg.flags, seed=cfg.seed, rank=rank, world_size=world_size, **shape
     )
-    val_packed, val_alone = validation_sets(val, shards.eot_id, cfg, bos_id)
-    tokenizer = with_start_marker(enc, bos_id)
-    return RunData(shard_path, shards.eot_id, tokenizer, train_batches, val_packed, val_alone, len(val))
+    val_packed, val_alone = validation_sets(val, eot_id, cfg, bos_id)
+    tokenizer = shards.with_start_marker(enc, bos_id)
+    return RunData(shard_path, eot_id, tokenizer, train_rows, val_packed, val_alone, len(val))
 
 
 def build_model(cfg: Config, run: RunData, state: dict | None, rank: int, world_size: int, device):
@@ -527,9 +507,8 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
     if main_process:
         write_atomically(files.path("config.json"), json.dumps({"run_id": run_id, **dataclasses.asdict(cfg)}, indent=1))
     log = MetricsLog(files, cfg, start_step if state else None, world_size, enabled=main_process)
-    saver = checkpoints.Checkpointer(
-        files, cfg, model.config, run.shard_path, load_shards(run.shard_path).meta, run.tokenizer
-    )
+    meta = shards.load_shards(run.shard_path).meta
+    saver = checkpoints.Checkpointer(files, cfg, model.config, run.shard_path, meta, run.tokenizer)
     print0(
         f"model: {model.num_params() / 1e6:.2f}M parameters, pos_emb={cfg.pos_emb}, device={device}, "
         f"attention={attention_impl(cfg.doc_mask, cfg.attn_impl, device)}"
@@ -548,11 +527,11 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
     with files:
         result = loop(cfg, run, model, optimizer, start_step, log, saver, device, world_size)
     if main_process and cfg.sample_prompt and cfg.sample_tokens and result.get("step") == cfg.max_iters:
-        prompt = torch.tensor([document_opening(run.tokenizer, cfg.sample_prompt)], device=device)
+        prompt = torch.tensor([shards.document_opening(run.tokenizer, cfg.sample_prompt)], device=device)
         with autocast(device, cfg.dtype):
             out = model.eval().generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50, stop_token=run.eot_id)
         print0(f"\nfinal val_doc_loss {result['val_doc_loss']:.4f} (val_loss {result['val_loss']:.4f})")
-        print0(f"sample:\n{decoded(run.tokenizer, out[0].tolist())}")
+        print0(f"sample:\n{shards.decoded(run.tokenizer, out[0].tolist())}")
     return result
 
 

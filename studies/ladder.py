@@ -1,0 +1,143 @@
+"""The ladder's combined report: every cell's effects at each rung, against the tokens it trained on.
+
+    python -m studies.ladder configs/ladder_rung1.toml configs/ladder_rung2.toml configs/ladder_rung3.toml
+
+Each rung is a study of its own (`python -m studies.ablate <config>`), decided by its own pre-registered
+family; its results.json, in the study's out_dir, holds the verdicts. This reads them as they are, side by
+side: ladder.md (a table per position kind, a column per rung), ladder.json (each rung's tokens, tokens a
+parameter and summary) and effects.png (each variant's effects against training tokens, with 95% intervals),
+written to --out_dir. A rung whose runs have not finished is left out, with a line saying so. Timing is not
+read: it depends on what else the machine ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import files
+import train
+from config import ConfigError, run_main
+from model import GPT
+from studies.plan import VARIANTS, parse_args
+from studies.report import ENDPOINT_NAMES, describe_effect, save_figure
+from studies.tables import markdown_table
+
+# the rows of the tables, in this order, where a rung measured them
+ENDPOINTS = ("early", "late", "val_doc_loss", "from_second", "doc_weighted", "early_own_start", "first_token")
+
+
+@dataclass
+class Rung:
+    config: str
+    tokens: int  # trained per run of the reference
+    parameters: int
+    summary: dict  # the rung's own: "pos/variant" -> seeds and endpoints, as studies.report writes it
+
+    @property
+    def label(self) -> str:
+        return f"{self.tokens / 1e6:.2f}M tokens ({self.tokens / self.parameters:.1f} a parameter)"
+
+
+def read_rung(config: str) -> Rung | None:
+    """A rung from its config and its study's results.json; None when the study has not finished."""
+    study, base = parse_args([config])
+    results = Path(study.out_dir) / "results.json"
+    if not results.is_file():
+        print(f"{config}: no {results} yet (run: python -m studies.ablate {config}); left out", file=sys.stderr)
+        return None
+    try:
+        summary = json.loads(results.read_text())["summary"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{results} cannot be read as a study's results ({type(e).__name__}: {e})") from None
+    vocab = (base.tokenizer_vocab_size if base.tokenizer == "bpe" else 50257) + base.bos
+    parameters = GPT(train.model_settings(base, vocab)).num_params()
+    tokens = base.max_iters * base.batch_size * base.grad_accum * base.seq_len
+    return Rung(config, tokens, parameters, summary)
+
+
+def ladder_tables(rungs: list[Rung]) -> list[str]:
+    """Per position kind, a row per (variant, endpoint) that some rung measured, a column per rung."""
+    lines = []
+    kinds = sorted({key.split("/")[0] for rung in rungs for key in rung.summary})
+    for pos in kinds:
+        rows = []
+        for variant in VARIANTS:
+            for name in ENDPOINTS:
+                entries = [rung.summary.get(f"{pos}/{variant}", {}).get("endpoints", {}).get(name) for rung in rungs]
+                if any(entry and "role" in entry for entry in entries):
+                    cells = [describe_effect(e) if e and "role" in e else "" for e in entries]
+                    rows.append([variant, ENDPOINT_NAMES[name], *cells])
+        lines += [f"### {pos}", "", *markdown_table(["variant", "endpoint", *(r.label for r in rungs)], rows), ""]
+    return lines
+
+
+def plot(rungs: list[Rung], out: Path) -> None:
+    """A panel per variant: each (position kind, endpoint) it has an effect for, against training tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = [v for v in VARIANTS if any(k.endswith(f"/{v}") for rung in rungs for k in rung.summary)]
+    variants = [v for v in variants if v != "reference"]
+    columns = 3
+    fig, axes = plt.subplots(-(-len(variants) // columns), columns, figsize=(15, 4 * -(-len(variants) // columns)))
+    for ax, variant in zip(axes.flat, variants):
+        for pos in ("learned", "rope"):
+            for name in ENDPOINTS:
+                points = [
+                    (rung.tokens, rung.summary[key]["endpoints"][name])
+                    for rung in rungs
+                    if (key := f"{pos}/{variant}") in rung.summary
+                    and "estimate" in rung.summary[key]["endpoints"].get(name, {})
+                ]
+                if not points:
+                    continue
+                x = [tokens for tokens, _ in points]
+                y = [entry["estimate"] for _, entry in points]
+                low = [entry["estimate"] - entry["ci95"][0] for _, entry in points]
+                high = [entry["ci95"][1] - entry["estimate"] for _, entry in points]
+                ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label=f"{pos}: {ENDPOINT_NAMES[name]}")
+        ax.axhline(0, color="grey", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_title(f"{variant} (its baseline subtracted)")
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel("effect on loss (nats)")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(variants) :]:
+        ax.set_visible(False)
+    save_figure(fig, out / "effects.png")
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    out_dirs = [a.split("=", 1)[1] for a in argv if a.startswith("--out_dir=")]
+    configs = [a for a in argv if not a.startswith("--")]
+    if not configs or len(configs) + len(out_dirs) != len(argv):
+        print(__doc__.strip())
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    out = Path(out_dirs[-1] if out_dirs else "results/ladder")
+    try:
+        rungs = [rung for rung in map(read_rung, configs) if rung is not None]
+        if not rungs:
+            raise ConfigError("no rung has finished: nothing to report")
+        rungs.sort(key=lambda rung: rung.tokens)
+        files.check_writable_folder(out, "out_dir")
+        report = "\n".join(["# The ladder: each verdict at each rung", "", *ladder_tables(rungs)])
+        files.write_atomically(out / "ladder.md", report)
+        files.write_atomically(out / "ladder.json", json.dumps([dataclasses.asdict(r) for r in rungs], indent=1))
+        plot(rungs, out)
+    except (ConfigError, files.SaveFailed) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(report)
+    print(f"wrote {out / 'ladder.md'}, ladder.json and effects.png")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,55 @@
+"""The ladder's combined report: each rung's saved verdicts side by side, ordered by training tokens."""
+
+import json
+
+from conftest import ROOT
+
+from studies import ladder
+
+
+def rung_config(tmp_path, name: str, max_iters: int) -> str:
+    """The registered rung-1 config with its own out_dir and length."""
+    text = (ROOT / "configs" / "ladder_rung1.toml").read_text()
+    text = text.replace('out_dir = "out/ladder_rung1"', f'out_dir = "{tmp_path / name}"')
+    text = text.replace("max_iters = 150", f"max_iters = {max_iters}")
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def primary(estimate: float, low: float, high: float, verdict: str) -> dict:
+    return {"role": "primary", "estimate": estimate, "ci95": [low, high], "verdict": verdict, "values": [estimate]}
+
+
+def write_results(tmp_path, name: str, summary: dict) -> None:
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "results.json").write_text(json.dumps({"summary": summary}))
+
+
+def test_rungs_side_by_side_by_tokens(tmp_path, capsys):
+    long = rung_config(tmp_path, "long", 1500)
+    short = rung_config(tmp_path, "short", 150)
+    missing = rung_config(tmp_path, "missing", 4500)
+    write_results(tmp_path, "short", {"learned/no_doc_mask": {"endpoints": {"early": primary(0.2, 0.1, 0.3, "hurts")}}})
+    write_results(
+        tmp_path, "long", {"learned/no_doc_mask": {"endpoints": {"early": primary(-0.01, -0.02, 0.0, "equivalent")}}}
+    )
+    out = tmp_path / "report"
+    assert ladder.main([long, missing, short, f"--out_dir={out}"]) == 0
+    assert "missing.toml: no" in capsys.readouterr().err  # a rung still running is left out, with a line
+    saved = json.loads((out / "ladder.json").read_text())
+    assert [r["tokens"] for r in saved] == [150 * 2 * 1024, 1500 * 2 * 1024]  # steps x rows x seq_len, in order
+    # vocab 4096 + the BOS padded to 4160, width 64, 4 blocks, 1024 learned positions: 0.53M parameters
+    assert saved[0]["parameters"] == 4160 * 64 + 4 * (12 * 64 * 64 + 4 * 64) + 2 * 64 + 1024 * 64
+    row = next(line for line in (out / "ladder.md").read_text().splitlines() if line.startswith("| no_doc_mask"))
+    assert (
+        row
+        == "| no_doc_mask | early band | **hurts**: +0.200 [+0.100, +0.300] | **equivalent**: -0.010 [-0.020, +0.000] |"
+    )
+    assert (out / "effects.png").stat().st_size > 0
+
+
+def test_no_finished_rung_is_one_line(tmp_path, capsys):
+    assert ladder.main([rung_config(tmp_path, "none", 150), f"--out_dir={tmp_path / 'report'}"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == "error: no rung has finished: nothing to report"
+    assert not (tmp_path / "report").exists()
