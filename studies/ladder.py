@@ -39,7 +39,8 @@ class Rung:
 
     @property
     def label(self) -> str:
-        return f"{self.tokens / 1e6:.2f}M tokens ({self.tokens / self.parameters:.1f} a parameter)"
+        per_parameter = self.tokens / self.parameters
+        return f"{Path(self.config).stem}: {self.tokens / 1e6:.2f}M tokens ({per_parameter:.1f} a parameter)"
 
 
 def read_rung(config: str) -> Rung | None:
@@ -75,8 +76,13 @@ def ladder_tables(rungs: list[Rung]) -> list[str]:
     return lines
 
 
+def primary_in_some_rung(rungs: list[Rung], pos: str, variant: str) -> list[str]:
+    cells = [rung.summary.get(f"{pos}/{variant}", {}).get("endpoints", {}) for rung in rungs]
+    return [name for name in ENDPOINTS if any(cell.get(name, {}).get("role") == "primary" for cell in cells)]
+
+
 def plot(rungs: list[Rung], out: Path) -> None:
-    """A panel per variant: each (position kind, endpoint) it has an effect for, against training tokens."""
+    """A panel per variant: its primary effects for each position kind, against training tokens."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,7 +94,7 @@ def plot(rungs: list[Rung], out: Path) -> None:
     fig, axes = plt.subplots(-(-len(variants) // columns), columns, figsize=(15, 4 * -(-len(variants) // columns)))
     for ax, variant in zip(axes.flat, variants):
         for pos in ("learned", "rope"):
-            for name in ENDPOINTS:
+            for name in primary_in_some_rung(rungs, pos, variant):
                 points = [
                     (rung.tokens, rung.summary[key]["endpoints"][name])
                     for rung in rungs
@@ -110,6 +116,7 @@ def plot(rungs: list[Rung], out: Path) -> None:
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(variants) :]:
         ax.set_visible(False)
+    fig.tight_layout()
     save_figure(fig, out / "effects.png")
     plt.close(fig)
 
