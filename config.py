@@ -56,7 +56,7 @@ class Config:
     data_dir: str = setting("data", "where prepared shards are kept", path=True, decides=None, resumable=True)
     tokenizer: str = setting(
         "bpe",
-        "'bpe' (trained on the corpus), a tiktoken name such as 'gpt2', or a .tiktoken file",
+        "'bpe' (trained on the corpus), a tiktoken name such as 'gpt2' (downloaded once), or a .tiktoken file",
         path=True,
         decides="data",
     )
@@ -123,7 +123,9 @@ class Config:
     device: str = setting("auto", "'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'", resumable=True)
     dtype: str = setting("auto", "'auto': bfloat16 on CUDA", choices=("auto", "float32", "bfloat16"))
     compile: bool = setting(False, "torch.compile the model (CUDA)", resumable=True)
-    wandb: bool = setting(False, "log to Weights & Biases (WANDB_MODE)", decides=None, resumable=True)
+    wandb: bool = setting(
+        False, "log to Weights & Biases (WANDB_MODE=offline: no account)", decides=None, resumable=True
+    )
     wandb_project: str = setting("packed-gpt", "wandb project", decides=None, resumable=True)
     wandb_run_name: str = setting("", "wandb run name ('': out_dir's name)", decides=None, resumable=True)
 
