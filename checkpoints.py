@@ -16,7 +16,7 @@ import tiktoken
 import torch
 import torch.distributed as dist
 
-from config import RESUMABLE, Config
+from config import Config, changed_on_resume
 from data import DataError
 from files import ConfigError, RunFiles, replace_atomically
 from model import GPT, GPTConfig
@@ -84,9 +84,7 @@ def load_checkpoint(path: Path, cfg: Config, world_size: int) -> dict:
     """The checkpoint to resume from, checked against this run's settings, process count and folder."""
     state = read_checkpoint(path)
     saved = state["config"]
-    changed = sorted(k for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE and saved.get(k) != v)
-    if changed:
-        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)
+    if detail := changed_on_resume(saved, cfg, sorted(dataclasses.asdict(cfg))):
         raise ConfigError(f"cannot resume {path} with a different model or data setting ({detail})")
     if state["step"] > cfg.max_iters:
         raise ConfigError(

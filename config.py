@@ -284,13 +284,18 @@ def saved_settings(given: Config, values: dict) -> dict:
     fields = {f.name for f in dataclasses.fields(Config)}
     # the folder is where the run is now (it may have moved), and resuming is not overwriting
     saved = {k: v for k, v in saved.items() if k in fields and k not in ("resume", "overwrite", "out_dir")}
-    if changed := [k for k in values if k not in RESUMABLE and k in saved and getattr(given, k) != saved[k]]:
-        detail = ", ".join(f"{k}: {saved[k]!r} -> {getattr(given, k)!r}" for k in changed)
+    if detail := changed_on_resume(saved, given, [k for k in values if k in saved]):
         raise ConfigError(
             f"cannot resume {given.out_dir} with other settings ({detail}); when resuming only "
             f"{', '.join(sorted(RESUMABLE - {'resume', 'overwrite'}))} may change"
         )
     return saved
+
+
+def changed_on_resume(saved: dict, cfg: Config, keys: list[str]) -> str:
+    """'key: saved -> now' for each of `keys` that `cfg` changes from `saved` and a resumed run may not."""
+    changed = [k for k in keys if k not in RESUMABLE and saved.get(k) != getattr(cfg, k)]
+    return ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)
 
 
 def read_config_file(path: Path) -> dict:

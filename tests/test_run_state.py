@@ -346,3 +346,13 @@ def test_a_damaged_config_json_beside_a_good_checkpoint_resumes_with_its_setting
     (run / "config.json").write_text("{")
     with pytest.raises(ConfigError, match="cannot be read .* and there is no checkpoint to resume from"):
         parse_config([f"--out_dir={run}", "--resume=true"])
+
+
+def test_a_config_json_that_disagrees_with_its_checkpoint_is_refused_by_the_checkpoint(trained, tmp_path):
+    """The checkpoint decides: settings edited into config.json that the run cannot change are named."""
+    run = copy_of(trained[0], tmp_path)
+    saved = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**saved, "n_embd": 48, "max_iters": 6}))
+    cfg = parse_config([f"--out_dir={run}", "--resume=true"])  # config.json alone is consistent
+    with pytest.raises(ConfigError, match=r"ckpt.pt with a different model or data setting \(n_embd: 32 -> 48\)$"):
+        train.train(cfg)
