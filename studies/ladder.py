@@ -122,11 +122,16 @@ def plot(rungs: list[Rung], out: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if not argv or any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        return 0 if argv else 2
     out_dirs = [a.split("=", 1)[1] for a in argv if a.startswith("--out_dir=")]
     configs = [a for a in argv if not a.startswith("--")]
-    if not configs or len(configs) + len(out_dirs) != len(argv):
-        print(__doc__.strip())
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    unknown = [a for a in argv if a.startswith("--") and not a.startswith("--out_dir=")]
+    if unknown or not configs:
+        what = f"unknown argument {unknown[0]!r}" if unknown else "no rung config given"
+        print(f"error: {what}: give rung configs and --out_dir=DIR", file=sys.stderr)
+        return 2
     out = Path(out_dirs[-1] if out_dirs else "results/ladder")
     try:
         rungs = [rung for rung in map(read_rung, configs) if rung is not None]

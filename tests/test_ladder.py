@@ -49,6 +49,15 @@ def test_rungs_side_by_side_by_tokens(tmp_path, capsys):
     assert (out / "effects.png").stat().st_size > 0
 
 
+def test_bad_arguments_are_one_line(tmp_path, capsys):
+    assert ladder.main([rung_config(tmp_path, "a", 150), "--out=x"]) == 2
+    assert capsys.readouterr().err == "error: unknown argument '--out=x': give rung configs and --out_dir=DIR\n"
+    assert ladder.main(["--out_dir=x"]) == 2
+    assert capsys.readouterr().err == "error: no rung config given: give rung configs and --out_dir=DIR\n"
+    assert ladder.main([str(tmp_path / "absent.toml")]) == 1
+    assert capsys.readouterr().err.startswith("error: config file ")
+
+
 def test_no_finished_rung_is_one_line(tmp_path, capsys):
     assert ladder.main([rung_config(tmp_path, "none", 150), f"--out_dir={tmp_path / 'report'}"]) == 1
     assert capsys.readouterr().err.splitlines()[-1] == "error: no rung has finished: nothing to report"
