@@ -46,6 +46,8 @@ class Rung:
 def read_rung(config: str) -> Rung | None:
     """A rung from its config and its study's results.json; None when the study has not finished."""
     study, base = parse_args([config])
+    if base.tokenizer != "bpe":  # a named or file tokenizer's size is known only once it is loaded
+        raise ConfigError(f"{config}: tokenizer={base.tokenizer!r}; the ladder counts parameters for a 'bpe' one")
     results = Path(study.out_dir) / "results.json"
     if not results.is_file():
         print(f"{config}: no {results} yet (run: python -m studies.ablate {config}); left out", file=sys.stderr)
@@ -54,7 +56,7 @@ def read_rung(config: str) -> Rung | None:
         summary = json.loads(results.read_text())["summary"]
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"{results} cannot be read as a study's results ({type(e).__name__}: {e})") from None
-    vocab = (base.tokenizer_vocab_size if base.tokenizer == "bpe" else 50257) + base.bos
+    vocab = base.tokenizer_vocab_size + base.bos
     parameters = GPT(train.model_settings(base, vocab)).num_params()
     tokens = base.max_iters * base.batch_size * base.grad_accum * base.seq_len
     return Rung(config, tokens, parameters, summary)

@@ -1,6 +1,7 @@
 """The ladder's combined report: each rung's saved verdicts side by side, ordered by training tokens."""
 
 import json
+from pathlib import Path
 
 from conftest import ROOT
 
@@ -56,6 +57,10 @@ def test_bad_arguments_are_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == "error: no rung config given: give rung configs and --out_dir=DIR\n"
     assert ladder.main([str(tmp_path / "absent.toml")]) == 1
     assert capsys.readouterr().err.startswith("error: config file ")
+    gpt2 = rung_config(tmp_path, "gpt2", 150)
+    Path(gpt2).write_text(Path(gpt2).read_text().replace('tokenizer = "bpe"', 'tokenizer = "gpt2"'))
+    assert ladder.main([gpt2]) == 1
+    assert "the ladder counts parameters for a 'bpe' one" in capsys.readouterr().err
 
 
 def test_no_finished_rung_is_one_line(tmp_path, capsys):
