@@ -163,7 +163,9 @@ def evaluate(
         from_bos = counted & (batch.doc_positions == -1)
         sums = [losses[real].sum(1), counted[real].sum(1), (losses * from_bos)[real].sum(1)]
         by_document.index_add_(1, rows, torch.stack([x.double() for x in sums]))
-        in_text = counted & (batch.doc_positions >= 0) & (batch.doc_positions < seq_len)  # not later chunks
+        # a document's first row holds its text up to position seq_len - 1 - marker; a later chunk starts
+        # there or beyond, with nothing before it, and would make the last position's mean a row start's
+        in_text = counted & (batch.doc_positions >= 0) & (batch.doc_positions < seq_len - marker)
         positions = batch.doc_positions[in_text]
         by_position.index_add_(
             1, positions, torch.stack([losses[in_text].double(), torch.ones_like(positions, dtype=torch.float64)])

@@ -205,7 +205,7 @@ def test_with_the_start_marker_evaluation_scores_each_document_from_its_bos():
     cfg = Config(seq_len=T, batch_size=2)
     cpu, fp32 = torch.device("cpu"), torch.autocast("cpu", enabled=False)
     result = train.evaluate(model, model.config, *train.validation_sets(np.concatenate(docs), eot, cfg, bos), cpu, fp32)
-    sums, firsts = [], []
+    sums, firsts, by_document = [], [], []
     for doc in docs:
         marked = np.insert(doc, 0, bos)
         losses = []
@@ -215,6 +215,7 @@ def test_with_the_start_marker_evaluation_scores_each_document_from_its_bos():
                 losses += model(chunk[:, :-1], torch.arange(chunk.shape[1] - 1)[None], None, chunk[:, 1:])[0].tolist()
         sums.append(sum(losses))
         firsts.append(losses[0])
+        by_document.append(losses)
     assert result["val_doc_count_by_document"] == [6, 31, 3]  # every text token and the EOT
     assert result["val_doc_loss_sum_by_document"] == pytest.approx(sums, abs=1e-3)
     assert result["val_doc_first_token_loss_by_document"] == pytest.approx(firsts, abs=1e-3)
@@ -222,9 +223,12 @@ def test_with_the_start_marker_evaluation_scores_each_document_from_its_bos():
     assert result["val_doc_loss"] == pytest.approx(sum(sums) / 40, rel=1e-5)
     assert result["val_doc_loss_from_second"] == pytest.approx((sum(sums) - sum(firsts)) / 37, rel=1e-5)
     # position p predicts the token after the p-th text token, in both conventions: the BOS is not at 0
-    # (texts of 5, 30 and 2 tokens: positions 0-4, 0-29 and 0-1; the table stops at seq_len)
+    # (texts of 5, 30 and 2 tokens: positions 0-4, 0-29 and 0-1). The first row of the 30-token text holds
+    # its positions 0 to T - 2; its second chunk starts at T - 1 with nothing before it and is left out.
     counts = result["val_doc_count_by_position"]
-    assert counts[:3] == [3, 3, 2] and counts[5:] == [1] * (T - 5) and sum(counts) == 5 + T + 2
+    assert counts[:3] == [3, 3, 2] and counts[5:] == [1] * (T - 6) and sum(counts) == 5 + (T - 1) + 2
+    # from position 5 on only the 30-token text is there: its first row's losses (1 + p: after its BOS's)
+    assert result["val_doc_loss_sum_by_position"][5:] == pytest.approx(by_document[1][6:T], abs=1e-3)
 
 
 # ---- training runs
