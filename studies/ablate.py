@@ -55,7 +55,7 @@ from prepare import prepare_for
 from shards import Shards, load_shards, load_tokenizer
 from studies import import_leak
 from studies.plan import Study, check_against, parse_args, run_config, run_order, seeds_of_cells
-from studies.probes import probe_inputs, run_probes
+from studies.probes import marker_id, probe_inputs, run_probes
 from studies.report import write_report
 
 
@@ -226,11 +226,11 @@ def main(argv: list[str]) -> int:
         files.check_writable_folder(out, "out_dir")  # before any work: the study ends by writing its report here
         shard_path = prepare_for(base)
         shards = load_shards(shard_path)
-        bos_id = shards.vocab_size if base.bos else None
+        bos_id = marker_id(shards, base)
         pad_factor = pad_steps_factor(shards, base.seq_len, bos_id)
         regime = packing_regime(shards, base.seq_len, bos_id)
         # the probes run after each training run: a validation split too small for them fails here, first
-        probe_inputs(shards, study.probe_docs, base.seq_len, offsets)
+        probe_inputs(shards, study.probe_docs, base.seq_len, offsets, bos_id)
         if study.import_leak:
             leak_pairs = import_leak.validation_pairs(shards, load_tokenizer(shard_path), study.leak_pairs)
             import_leak.fitting_pairs(leak_pairs, base.seq_len)

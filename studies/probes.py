@@ -1,7 +1,8 @@
 """Probes: the same validation documents, placed in a row in different ways, scored under a run's own
 settings. The baseline is each document right after an EOT, as it sits in a packed row after another
 document ended: against it, "k tokens of other documents first" and "one foreign document first" add only
-what precedes, not the EOT that any packed document follows."""
+what precedes, not the EOT that any packed document follows. Under the start marker each document begins
+with its BOS, as in training, and its own targets begin with its first text token, predicted from the BOS."""
 
 from __future__ import annotations
 
@@ -56,11 +57,15 @@ def doc_loss_in_rows(
 
 
 def probe_inputs(
-    shards: Shards, n_docs: int, seq_len: int, offsets: list[int]
+    shards: Shards, n_docs: int, seq_len: int, offsets: list[int], bos_id: int | None = None
 ) -> tuple[list[np.ndarray], np.ndarray, list[np.ndarray]]:
     """The probe documents, the filler stream, and one unrelated document for each probe document (cut to
-    the space the offsets leave, keeping its EOT); a DataError when the validation split is too small."""
+    the space the offsets leave, keeping its EOT); a DataError when the validation split is too small.
+    With the start marker every document begins with its BOS, as in the rows the run trained on."""
     head = leading_stream(shards.val, shards.eot_id, n_docs, seq_len)
+    if bos_id is not None:
+        documents = data.Documents(head, shards.eot_id, bos_id)
+        head = documents.tokens(np.arange(documents.n_tokens))
     docs, filler = probe_documents(head, shards.eot_id, n_docs, seq_len - max(offsets))
     if len(filler) < len(docs) * max(offsets):  # each document's own k tokens of other documents
         raise data.DataError(
@@ -72,13 +77,18 @@ def probe_inputs(
     return docs, filler, unrelated
 
 
+def marker_id(shards: Shards, cfg: Config) -> int | None:
+    """The run's BOS id (the first past the vocabulary), or None without the marker."""
+    return shards.vocab_size if cfg.bos else None
+
+
 def run_probes(out_dir: Path, cfg: Config, n_docs: int, offsets: list[int]) -> dict:
     """The probe documents' loss after k tokens of other documents (the last of them an EOT; k = 1 is the
     EOT alone), and after one unrelated document and its EOT."""
     device = resolve_device(cfg.device)
     model, _, checkpoint = sample.load_run(out_dir, device)
     shards = load_shards(Path(checkpoint["shards"]))
-    docs, filler, unrelated = probe_inputs(shards, n_docs, cfg.seq_len, offsets)
+    docs, filler, unrelated = probe_inputs(shards, n_docs, cfg.seq_len, offsets, marker_id(shards, cfg))
     offset_loss = {}
     for k in offsets:
         prefixes = [np.append(filler[i * k : i * k + k - 1], shards.eot_id) for i in range(len(docs))]

@@ -408,3 +408,33 @@ def test_a_cells_interval_and_p_value_are_the_paired_t_tests():
     assert entry["p_difference"] == pytest.approx(expected.pvalue, rel=1e-9) and entry["df"] == 4
     low, high = expected.confidence_interval(0.95)
     assert entry["ci95"] == pytest.approx([low, high], rel=1e-9)
+
+
+def test_under_the_start_marker_the_probes_place_each_document_after_its_bos_as_training_does():
+    """Probe documents, filler and unrelated documents are cut from the marked stream; with the document
+    mask, a probe document after an EOT scores exactly as [BOS, text] alone from position 0."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from model import GPT, GPTConfig
+    from studies.probes import doc_loss_in_rows, probe_inputs
+
+    eot, bos, T, offset = 62, 63, 32, 8
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(0, eot, n), eot) for n in rng.integers(3, 40, 30)]
+    split = SimpleNamespace(val=np.concatenate(docs), eot_id=eot)
+    probe_docs, filler, unrelated = probe_inputs(split, 4, T, [offset], bos_id=bos)
+    assert [d.tolist() for d in probe_docs] == [[bos, *doc.tolist()][: T - offset + 1] for doc in docs[:4]]
+    assert filler[: len(docs[4]) + 2].tolist() == [bos, *docs[4].tolist(), bos]
+    assert all(u[0] == bos and u[-1] == eot for u in unrelated)
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=T, n_layer=1, n_head=2, n_embd=16)).eval()
+    cfg = Config(seq_len=T, dtype="float32")
+    after_eot = doc_loss_in_rows(model, cfg, eot, [np.array([eot])] * 4, probe_docs, torch.device("cpu"))
+    alone = []
+    for d in map(torch.from_numpy, probe_docs):
+        with torch.no_grad():
+            alone += model(d[None, :-1], torch.arange(len(d) - 1)[None], None, d[None, 1:])[0].flatten().tolist()
+    assert after_eot == pytest.approx(np.mean(alone), abs=1e-5)
