@@ -162,6 +162,9 @@ def decide_primary(cells: dict) -> None:
     difference = stats.holm({k: e["p_difference"] for k, e in family.items()})
     equivalence = stats.holm({k: e["p_equivalence"] for k, e in family.items()})
     signed_rank = stats.holm({k: e["p_wilcoxon"] for k, e in family.items()})
+    # Holm multiplies the family's smallest p by its size: with too few seeds no cell can pass, whatever the data
+    smallest = min((stats.smallest_signed_rank_p(e["df"] + 1) for e in family.values()), default=1.0)
+    reachable = len(family) * smallest < stats.ALPHA
     for key, entry in family.items():
         effect = stats.Effect(entry["estimate"], entry["se"], entry["df"])
         entry["p_difference_holm"], entry["p_equivalence_holm"] = difference[key], equivalence[key]
@@ -170,7 +173,7 @@ def decide_primary(cells: dict) -> None:
         # same family, also reaches
         entry["p_wilcoxon_holm"] = signed_rank[key]
         if entry["verdict"] in ("hurts", "helps"):
-            entry["robust"] = bool(signed_rank[key] < stats.ALPHA)
+            entry["robust"] = bool(signed_rank[key] < stats.ALPHA) if reachable else None
 
 
 ENDPOINT_NAMES = {
@@ -200,7 +203,7 @@ def describe_effect(entry: dict) -> str:
     low, high = entry["ci95"] if entry["role"] == "primary" else entry["ci90"]
     interval = "" if not math.isfinite(low) else f" [{low:+.3f}, {high:+.3f}]"
     if entry["role"] == "primary":
-        robust = " (not robust)" if entry.get("robust") is False else ""
+        robust = {False: " (not robust)", None: " (too few seeds to check)"}.get(entry.get("robust", True), "")
         return f"**{entry['verdict']}**{robust}: {entry['estimate']:+.3f}{interval}"
     return f"{entry['estimate']:+.3f}{interval}, \\|Δ\\| < {entry['bound']:.3f}"
 
@@ -259,7 +262,9 @@ def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cf
         "unadjusted 95% one. Together the two families can err with probability at most "
         f"{2 * stats.ALPHA:g} (a false difference or a false equivalence, each held to {stats.ALPHA}). Robustness "
         "for heavy tails: Wilcoxon's signed-rank test of the same differences, Holm over the same family; a "
-        "`hurts` or `helps` it does not reach is marked `(not robust)`.",
+        "`hurts` or `helps` it does not reach is marked `(not robust)`, or `(too few seeds to check)` where "
+        "no cell could reach it (the family's size times the smallest p its seeds allow, 2/2^n, is at least "
+        f"{stats.ALPHA}).",
         f"- secondary: the middle band (positions {study.middle_band[0]}-{study.middle_band[1] - 1}), the other "
         "of early band and val_doc_loss, the offset effect (the probe documents' loss after "
         f"{max(offsets)} tokens of other documents minus after an EOT alone) and the contamination (after one "

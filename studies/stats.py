@@ -64,6 +64,12 @@ def signed_rank_p(values: list[float], reference: list[float]) -> float:
     return float(scipy.stats.wilcoxon(diffs).pvalue)
 
 
+def smallest_signed_rank_p(n: int) -> float:
+    """The smallest two-sided p the exact signed-rank test can give with n differences: every one of the
+    same sign, 2 of the 2^n sign patterns."""
+    return min(1.0, 2.0 / 2**n)
+
+
 # ----------------------------------------------------------------------------------------------
 # Paired effects, tests and corrections
 

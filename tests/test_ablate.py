@@ -438,3 +438,32 @@ def test_under_the_start_marker_the_probes_place_each_document_after_its_bos_as_
         with torch.no_grad():
             alone += model(d[None, :-1], torch.arange(len(d) - 1)[None], None, d[None, 1:])[0].flatten().tolist()
     assert after_eot == pytest.approx(np.mean(alone), abs=1e-5)
+
+
+def test_the_signed_rank_check_says_when_the_seeds_are_too_few_for_it_to_pass():
+    """With n seeds the signed-rank test's smallest p is 2/2^n, and Holm multiplies the smallest by the family
+    size: 8 seeds leave room for a family of 6 (6 x 2/256 < 0.05), not of 7. A clear effect is then robust,
+    or out of the check's reach, never "not robust" for want of seeds."""
+
+    def family(size: int, differences: list[float]) -> dict:
+        effect = stats.paired_effect(differences)
+        entry = {
+            "role": "primary",
+            "estimate": effect.estimate,
+            "se": effect.se,
+            "df": effect.df,
+            "p_difference": 1e-6,
+            "p_equivalence": 0.9,
+            "p_wilcoxon": stats.signed_rank_p(differences, [0.0] * len(differences)),
+            "ci95": list(effect.interval(0.95)),
+        }
+        cells = {f"learned/cell{i}": {"endpoints": {"early": dict(entry)}} for i in range(size)}
+        report.decide_primary(cells)
+        return cells["learned/cell0"]["endpoints"]["early"]
+
+    clear = [0.1, 0.12, 0.09, 0.11, 0.1, 0.13, 0.08, 0.1]
+    assert family(6, clear)["verdict"] == "hurts" and family(6, clear)["robust"] is True
+    assert family(7, clear)["robust"] is None
+    assert report.describe_effect(family(7, clear)).startswith("**hurts** (too few seeds to check)")
+    one_heavy_seed = [0.5, -0.01, 0.02, -0.01, 0.01, -0.02, 0.01, 0.03]
+    assert family(1, one_heavy_seed)["robust"] is False

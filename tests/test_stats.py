@@ -116,3 +116,11 @@ def test_equivalence_uses_the_90_percent_interval_where_the_95_percent_one_would
     assert high90 < margin < high95
     assert effect.p_equivalence(margin) < 0.05  # TOST at 5% is the 90% interval inside the margin
     assert effect.p_equivalence(high90 * 0.999) > 0.05
+
+
+def test_the_smallest_signed_rank_p_is_what_the_test_gives_when_every_difference_agrees():
+    import scipy.stats
+
+    for n in (3, 4, 8):
+        assert stats.smallest_signed_rank_p(n) == pytest.approx(scipy.stats.wilcoxon(np.arange(1.0, n + 1)).pvalue)
+    assert stats.smallest_signed_rank_p(0) == 1.0
