@@ -151,5 +151,5 @@ def invariance(values: list[float], reference: list[float] | None, tolerance: fl
     "not invariant". `reference` None: the values themselves must be 0."""
     other = [0.0] * len(values) if reference is None else reference
     diffs = [abs(a - b) for a, b in zip(values, other, strict=True)]
-    worst = max(diffs)
+    worst = max(diffs) if all(map(math.isfinite, diffs)) else math.inf  # max() may skip a NaN, by its place
     return ("invariant" if worst <= tolerance else "not invariant"), worst, worst == 0.0

@@ -124,3 +124,10 @@ def test_the_smallest_signed_rank_p_is_what_the_test_gives_when_every_difference
     for n in (3, 4, 8):
         assert stats.smallest_signed_rank_p(n) == pytest.approx(scipy.stats.wilcoxon(np.arange(1.0, n + 1)).pvalue)
     assert stats.smallest_signed_rank_p(0) == 1.0
+
+
+def test_a_missing_value_fails_an_invariance_wherever_it_sits():
+    for values in ([1.0, math.nan], [math.nan, 1.0], [1.0, math.inf]):
+        verdict, worst, bitwise = stats.invariance(values, [1.0, 1.0], 1e-4)
+        assert verdict == "not invariant" and not bitwise and worst == math.inf
+    assert stats.invariance([1.0, 1.0 + 1e-6], [1.0, 1.0], 1e-4)[0] == "invariant"
