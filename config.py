@@ -93,7 +93,9 @@ class Config:
     # optimisation
     batch_size: int = setting(8, "rows per micro-batch", minimum=1)
     grad_accum: int = setting(1, "micro-batches per optimizer step", minimum=1)
-    max_iters: int = setting(600, "optimizer steps", minimum=0, resumable=True)
+    max_iters: int = setting(
+        600, "optimizer steps, the end of the cosine (re-timed on resume)", minimum=0, resumable=True
+    )
     lr: float = setting(3e-3, "peak learning rate", minimum=0.0, maximum=10.0)
     min_lr: float = setting(3e-4, "learning rate at the end of the cosine decay", minimum=0.0, maximum=10.0)
     warmup_iters: int = setting(60, "linear warmup steps", minimum=0)
