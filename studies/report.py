@@ -93,6 +93,9 @@ def summarise(runs: dict, study: Study, offsets: list[int]) -> dict:
             seeds = sorted(by_seed)
             baseline = BASELINES.get(variant, "reference")
             cell = {"seeds": seeds, "baseline": baseline, "endpoints": {}}
+            if baseline in values and not set(seeds) <= set(values[baseline]):
+                missing = sorted(set(seeds) - set(values[baseline]))
+                raise ConfigError(f"{pos}/{variant} has seeds {missing} that its baseline {pos}/{baseline} has not run")
             shared = set.intersection(*(set(values[variant][s]) for s in seeds))
             for name in primary_endpoints(study, variant):
                 if name not in shared or any(name not in values[baseline][s] for s in seeds):
@@ -509,6 +512,12 @@ def main(argv: list[str]) -> int:
         report_from(saved, path.parent)
     except (OSError, ValueError) as e:
         print(f"error: {path} cannot be read as a study's results.json ({e})", file=sys.stderr)
+        return 1
+    except (KeyError, TypeError, AttributeError, IndexError) as e:  # JSON, but not in the shape ablate writes
+        print(
+            f"error: {path} is not a study's results.json as studies.ablate writes it ({type(e).__name__}: {e})",
+            file=sys.stderr,
+        )
         return 1
     except (ConfigError, files.SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)

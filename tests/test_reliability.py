@@ -476,6 +476,26 @@ def test_ablate_settings_of_the_wrong_type(tmp_path, table, message, capsys):
     one_error_line(in_process(ablate.main, [str(config)], capsys), message)
 
 
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda saved: saved["runs"]["learned"]["reference"]["20"].pop("val_doc_loss"), "not a study's results.json"),
+        (lambda saved: saved["runs"]["learned"]["reference"].pop("21"), "no_doc_mask has seeds [21] that its baseline"),
+        (lambda saved: saved.update(runs=[]), "AttributeError"),
+    ],
+)
+def test_a_damaged_results_json_is_one_line_and_no_report(tmp_path, damage, message, capsys):
+    """A results.json that is JSON but not in the shape studies.ablate writes (a run's field or a seed gone,
+    runs of another type) is named in one line, and no results.md or figure is written."""
+    from studies import report
+
+    saved = json.loads((ROOT / "results/import_leak_cpu_bos/results.json").read_text())
+    damage(saved)
+    (tmp_path / "results.json").write_text(json.dumps(saved))
+    one_error_line(in_process(report.main, [str(tmp_path / "results.json")], capsys), message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+
+
 @pytest.mark.slow
 def test_a_bad_study_setting_is_one_line_from_the_command_line(tmp_path):
     config = tmp_path / "c.toml"
