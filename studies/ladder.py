@@ -7,7 +7,8 @@ family; its results.json, in the study's out_dir, holds the verdicts. This reads
 side: ladder.md (a table per position kind, a column per rung), ladder.json (each rung's tokens, tokens a
 parameter and summary) and effects.png (each variant's effects against training tokens, with 95% intervals),
 written to --out_dir. A rung whose runs have not finished is left out, with a line saying so. Timing is not
-read: it depends on what else the machine ran.
+read: it depends on what else the machine ran. Under the marker each rung also gets a line: how far its late
+band effects move without the position an older evaluation filled from later chunks (late_band_shift).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import files
 import train
 from config import ConfigError, run_main
 from model import GPT
-from studies.plan import VARIANTS, parse_args
-from studies.report import ENDPOINT_NAMES, describe_effect, save_figure
+from studies.plan import VARIANTS, Study, parse_args
+from studies.report import ENDPOINT_NAMES, describe_effect, save_figure, summarise
 from studies.tables import markdown_table
 
 # the rows of the tables, in this order, where a rung measured them
+BY_POSITION = ("val_doc_loss_sum_by_position", "val_doc_count_by_position")
 ENDPOINTS = ("early", "late", "val_doc_loss", "from_second", "doc_weighted", "early_own_start", "first_token")
 
 
@@ -36,6 +38,7 @@ class Rung:
     tokens: int  # trained per run of the reference
     parameters: int
     summary: dict  # the rung's own: "pos/variant" -> seeds and endpoints, as studies.report writes it
+    late_shift: float | None = None  # see late_band_shift
 
     @property
     def label(self) -> str:
@@ -53,13 +56,39 @@ def read_rung(config: str) -> Rung | None:
         print(f"{config}: no {results} yet (run: python -m studies.ablate {config}); left out", file=sys.stderr)
         return None
     try:
-        summary = json.loads(results.read_text())["summary"]
+        saved = json.loads(results.read_text())
+        summary = saved["summary"]
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"{results} cannot be read as a study's results ({type(e).__name__}: {e})") from None
     vocab = base.tokenizer_vocab_size + base.bos
     parameters = GPT(train.model_settings(base, vocab)).num_params()
     tokens = base.max_iters * base.batch_size * base.grad_accum * base.seq_len
-    return Rung(config, tokens, parameters, summary)
+    shift = late_band_shift(saved, study, base.seq_len) if base.bos and study.late_band else None
+    return Rung(config, tokens, parameters, summary, shift)
+
+
+def late_band_shift(saved: dict, study: Study, seq_len: int) -> float | None:
+    """Under the marker, evaluations before 2026-12-02 also counted, at text position seq_len - 1, the first
+    token of a long document's second chunk, predicted with nothing before it. The largest change of a late
+    band effect when that position is left out, as evaluation has done since; None without the runs."""
+    if "runs" not in saved:
+        return None
+    first_rows = {
+        pos: {
+            variant: {int(seed): {**r, **{k: r[k][: seq_len - 1] for k in BY_POSITION}} for seed, r in cell.items()}
+            for variant, cell in kinds.items()
+        }
+        for pos, kinds in saved["runs"].items()
+    }
+    again = summarise(first_rows, study, saved["probe_offsets"])
+    return max(
+        (
+            abs(again[key]["endpoints"]["late"]["estimate"] - cell["endpoints"]["late"]["estimate"])
+            for key, cell in saved["summary"].items()
+            if "estimate" in cell["endpoints"].get("late", {})
+        ),
+        default=0.0,
+    )
 
 
 def ladder_tables(rungs: list[Rung]) -> list[str]:
@@ -76,6 +105,15 @@ def ladder_tables(rungs: list[Rung]) -> list[str]:
                     rows.append([variant, ENDPOINT_NAMES[name], *cells])
         lines += [f"### {pos}", "", *markdown_table(["variant", "endpoint", *(r.label for r in rungs)], rows), ""]
     return lines
+
+
+def shift_notes(rungs: list[Rung]) -> list[str]:
+    return [
+        f"- {rung.label}: leaving out the late band's last position (a later chunk's start, under the marker) "
+        f"moves its effects by at most {rung.late_shift:.1e} nats."
+        for rung in rungs
+        if rung.late_shift is not None
+    ]
 
 
 def primary_in_some_rung(rungs: list[Rung], pos: str, variant: str) -> list[str]:
@@ -141,7 +179,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError("no rung has finished: nothing to report")
         rungs.sort(key=lambda rung: rung.tokens)
         files.check_writable_folder(out, "out_dir")
-        report = "\n".join(["# The ladder: each verdict at each rung", "", *ladder_tables(rungs)])
+        report = "\n".join(["# The ladder: each verdict at each rung", "", *ladder_tables(rungs), *shift_notes(rungs)])
         files.write_atomically(out / "ladder.md", report)
         files.write_atomically(out / "ladder.json", json.dumps([dataclasses.asdict(r) for r in rungs], indent=1))
         plot(rungs, out)

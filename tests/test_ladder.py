@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 from studies import ladder
@@ -67,3 +68,43 @@ def test_no_finished_rung_is_one_line(tmp_path, capsys):
     assert ladder.main([rung_config(tmp_path, "none", 150), f"--out_dir={tmp_path / 'report'}"]) == 1
     assert capsys.readouterr().err.splitlines()[-1] == "error: no rung has finished: nothing to report"
     assert not (tmp_path / "report").exists()
+
+
+def test_the_late_band_is_also_given_without_the_position_a_later_chunk_started_at(tmp_path, capsys):
+    """Under the marker, evaluations before the fix counted a long document's second chunk at text position
+    1023, inside the late band (256-1023). A planted +10 there in every variant run moves the late effect by
+    (767 x 0.1 + 10) / 768 - 0.1 = 9.9 / 768; the ladder says so."""
+    from studies import plan, report
+
+    def result(loss: float, last: float) -> dict:
+        sums = [10 * loss] * 1023 + [10 * last]
+        return {
+            "val_doc_loss": loss,
+            "val_loss": loss,
+            "wall_seconds": 1.0,
+            "useful_tokens_per_sec": 1.0,
+            "val_doc_loss_sum_by_position": sums,
+            "val_doc_count_by_position": [10] * 1024,
+            "val_doc_loss_sum_by_document": [sum(sums) / 10] * 10,
+            "val_doc_count_by_document": [1024] * 10,
+            "offset_loss": {"1": 5.0, "64": 5.0},
+            "after_other": 5.0,
+        }
+
+    runs = {
+        "learned": {
+            "reference": {seed: result(5.0 + 0.01 * seed, 5.0 + 0.01 * seed) for seed in (100, 101, 102)},
+            "no_reset_position_ids": {seed: result(5.1 + 0.01 * seed, 15.0 + 0.01 * seed) for seed in (100, 101, 102)},
+        }
+    }
+    config = rung_config(tmp_path, "rung", 150)
+    study, _ = plan.parse_args([config])
+    summary = report.summarise(runs, study, [64])
+    (tmp_path / "rung").mkdir()
+    saved = {"summary": summary, "runs": runs, "probe_offsets": [64]}
+    (tmp_path / "rung" / "results.json").write_text(json.dumps(saved))
+    assert summary["learned/no_reset_position_ids"]["endpoints"]["late"]["estimate"] == pytest.approx(0.1 + 9.9 / 768)
+    out = tmp_path / "report"
+    assert ladder.main([config, f"--out_dir={out}"]) == 0
+    assert json.loads((out / "ladder.json").read_text())[0]["late_shift"] == pytest.approx(9.9 / 768)
+    assert "moves its effects by at most 1.3e-02 nats" in (out / "ladder.md").read_text()
