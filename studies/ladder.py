@@ -3,7 +3,8 @@
     python -m studies.ladder configs/ladder_rung1.toml configs/ladder_rung2.toml configs/ladder_rung3.toml
 
 Each rung is a study of its own (`python -m studies.ablate <config>`), decided by its own pre-registered
-family; its results.json, in the study's out_dir, holds the verdicts. This reads them as they are, side by
+family; its results.json, in the study's out_dir, holds every run. This decides each rung's family again
+from its runs, with the statistics of this code (as `python -m studies.report` does), and puts them side by
 side: ladder.md (a table per position kind, a column per rung), ladder.json (each rung's tokens, tokens a
 parameter and summary) and effects.png (each variant's effects against training tokens, with 95% intervals),
 written to --out_dir. A rung whose runs have not finished is left out, with a line saying so. Timing is not
@@ -24,7 +25,7 @@ import train
 from config import ConfigError, run_main
 from model import GPT
 from studies.plan import VARIANTS, Study, parse_args
-from studies.report import ENDPOINT_NAMES, describe_effect, save_figure, summarise
+from studies.report import ENDPOINT_NAMES, describe_effect, save_figure, saved_runs, summarise
 from studies.tables import markdown_table
 
 # the rows of the tables, in this order, where a rung measured them
@@ -37,7 +38,7 @@ class Rung:
     config: str
     tokens: int  # trained per run of the reference
     parameters: int
-    summary: dict  # the rung's own: "pos/variant" -> seeds and endpoints, as studies.report writes it
+    summary: dict  # "pos/variant" -> seeds and endpoints, decided again from the rung's runs
     late_shift: float | None = None  # see late_band_shift
 
     @property
@@ -57,34 +58,33 @@ def read_rung(config: str) -> Rung | None:
         return None
     try:
         saved = json.loads(results.read_text())
-        summary = saved["summary"]
-    except (OSError, ValueError, KeyError) as e:
+        runs, offsets = saved_runs(saved), saved["probe_offsets"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"{results} cannot be read as a study's results ({type(e).__name__}: {e})") from None
+    summary = summarise(runs, study, offsets)
     vocab = base.tokenizer_vocab_size + base.bos
     parameters = GPT(train.model_settings(base, vocab)).num_params()
     tokens = base.max_iters * base.batch_size * base.grad_accum * base.seq_len
-    shift = late_band_shift(saved, study, base.seq_len) if base.bos and study.late_band else None
+    shift = late_band_shift(runs, summary, study, offsets, base.seq_len) if base.bos and study.late_band else None
     return Rung(config, tokens, parameters, summary, shift)
 
 
-def late_band_shift(saved: dict, study: Study, seq_len: int) -> float | None:
+def late_band_shift(runs: dict, summary: dict, study: Study, offsets: list[int], seq_len: int) -> float:
     """Under the marker, evaluations before 2026-12-02 also counted, at text position seq_len - 1, the first
     token of a long document's second chunk, predicted with nothing before it. The largest change of a late
-    band effect when that position is left out, as evaluation has done since; None without the runs."""
-    if "runs" not in saved:
-        return None
+    band effect when that position is left out, as evaluation has done since."""
     first_rows = {
         pos: {
-            variant: {int(seed): {**r, **{k: r[k][: seq_len - 1] for k in BY_POSITION}} for seed, r in cell.items()}
+            variant: {seed: {**r, **{k: r[k][: seq_len - 1] for k in BY_POSITION}} for seed, r in cell.items()}
             for variant, cell in kinds.items()
         }
-        for pos, kinds in saved["runs"].items()
+        for pos, kinds in runs.items()
     }
-    again = summarise(first_rows, study, saved["probe_offsets"])
+    again = summarise(first_rows, study, offsets)
     return max(
         (
             abs(again[key]["endpoints"]["late"]["estimate"] - cell["endpoints"]["late"]["estimate"])
-            for key, cell in saved["summary"].items()
+            for key, cell in summary.items()
             if "estimate" in cell["endpoints"].get("late", {})
         ),
         default=0.0,

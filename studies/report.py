@@ -165,9 +165,10 @@ def decide_primary(cells: dict) -> None:
     difference = stats.holm({k: e["p_difference"] for k, e in family.items()})
     equivalence = stats.holm({k: e["p_equivalence"] for k, e in family.items()})
     signed_rank = stats.holm({k: e["p_wilcoxon"] for k, e in family.items()})
-    # Holm multiplies the family's smallest p by its size: with too few seeds no cell can pass, whatever the data
-    smallest = min((stats.smallest_signed_rank_p(e["df"] + 1) for e in family.values()), default=1.0)
-    reachable = len(family) * smallest < stats.ALPHA
+    # a cell's adjusted p is at least its own smallest possible p, and at least the family's smallest times its
+    # size (Holm's first step): with too few seeds the check cannot pass, whatever the data
+    floor = {k: stats.smallest_signed_rank_p(e["df"] + 1) for k, e in family.items()}
+    first_step = len(family) * min(floor.values(), default=1.0)
     for key, entry in family.items():
         effect = stats.Effect(entry["estimate"], entry["se"], entry["df"])
         entry["p_difference_holm"], entry["p_equivalence_holm"] = difference[key], equivalence[key]
@@ -176,6 +177,7 @@ def decide_primary(cells: dict) -> None:
         # same family, also reaches
         entry["p_wilcoxon_holm"] = signed_rank[key]
         if entry["verdict"] in ("hurts", "helps"):
+            reachable = max(floor[key], first_step) < stats.ALPHA
             entry["robust"] = bool(signed_rank[key] < stats.ALPHA) if reachable else None
 
 
@@ -266,8 +268,8 @@ def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cf
         f"{2 * stats.ALPHA:g} (a false difference or a false equivalence, each held to {stats.ALPHA}). Robustness "
         "for heavy tails: Wilcoxon's signed-rank test of the same differences, Holm over the same family; a "
         "`hurts` or `helps` it does not reach is marked `(not robust)`, or `(too few seeds to check)` where "
-        "no cell could reach it (the family's size times the smallest p its seeds allow, 2/2^n, is at least "
-        f"{stats.ALPHA}).",
+        "no data could reach it (the smallest p its seeds allow, 2/2^n, or the family's size times the "
+        f"family's smallest, is at least {stats.ALPHA}).",
         f"- secondary: the middle band (positions {study.middle_band[0]}-{study.middle_band[1] - 1}), the other "
         "of early band and val_doc_loss, the offset effect (the probe documents' loss after "
         f"{max(offsets)} tokens of other documents minus after an EOT alone) and the contamination (after one "
@@ -480,16 +482,21 @@ def write_report(
     report_from(saved, out)
 
 
+def saved_runs(saved: dict) -> dict:
+    """A results.json's runs as summarise takes them: position kind -> variant -> seed (an int) -> result."""
+    return {
+        pos: {v: {int(s): r for s, r in cell.items()} for v, cell in kinds.items()}
+        for pos, kinds in saved["runs"].items()
+    }
+
+
 def report_from(saved: dict, out: Path) -> None:
     """results.md and the figures from a study's saved results (the verdicts computed again from its runs)."""
     study = settings_from(Study, saved["study"], "python -m studies.ablate --help")
     study.validate()
     base = settings_from(Config, saved["config"], "python train.py --help")
     offsets = saved["probe_offsets"]
-    runs = {
-        pos: {v: {int(s): r for s, r in cell.items()} for v, cell in kinds.items()}
-        for pos, kinds in saved["runs"].items()
-    }
+    runs = saved_runs(saved)
     summary = summarise(runs, study, offsets)
     report = format_report(summary, saved["environment"], study, offsets, base, saved)
     files.write_atomically(out / "results.md", report)

@@ -445,9 +445,9 @@ def test_the_signed_rank_check_says_when_the_seeds_are_too_few_for_it_to_pass():
     size: 8 seeds leave room for a family of 6 (6 x 2/256 < 0.05), not of 7. A clear effect is then robust,
     or out of the check's reach, never "not robust" for want of seeds."""
 
-    def family(size: int, differences: list[float]) -> dict:
+    def entry(differences: list[float]) -> dict:
         effect = stats.paired_effect(differences)
-        entry = {
+        return {
             "role": "primary",
             "estimate": effect.estimate,
             "se": effect.se,
@@ -457,7 +457,10 @@ def test_the_signed_rank_check_says_when_the_seeds_are_too_few_for_it_to_pass():
             "p_wilcoxon": stats.signed_rank_p(differences, [0.0] * len(differences)),
             "ci95": list(effect.interval(0.95)),
         }
-        cells = {f"learned/cell{i}": {"endpoints": {"early": dict(entry)}} for i in range(size)}
+
+    def family(size: int, differences: list[float], *others: list[float]) -> dict:
+        cells = {f"learned/cell{i}": {"endpoints": {"early": entry(differences)}} for i in range(size)}
+        cells |= {f"rope/other{i}": {"endpoints": {"early": entry(d)}} for i, d in enumerate(others)}
         report.decide_primary(cells)
         return cells["learned/cell0"]["endpoints"]["early"]
 
@@ -467,3 +470,6 @@ def test_the_signed_rank_check_says_when_the_seeds_are_too_few_for_it_to_pass():
     assert report.describe_effect(family(7, clear)).startswith("**hurts** (too few seeds to check)")
     one_heavy_seed = [0.5, -0.01, 0.02, -0.01, 0.01, -0.02, 0.01, 0.03]
     assert family(1, one_heavy_seed)["robust"] is False
+    # beside a cell of 12 seeds the family could pass, but a cell of 3 never can: its own floor is 2/8
+    assert family(1, clear[:3], [0.1] * 12)["robust"] is None
+    assert family(1, [0.1 + 0.001 * i for i in range(12)], clear[:3])["robust"] is True
