@@ -182,20 +182,43 @@ def parse_args(argv: list[str]) -> tuple[Study, Config]:
 
 
 def check_against(study: Study, base: Config) -> None:
-    """What the study asks is possible with these training settings: every band inside the positions a
-    row has, every variant a change from what it is compared with, the first-token endpoint only where
-    both sides have the start marker. Checked before any data is prepared or any file written."""
+    """What the study asks is possible with these training settings: a reference that packs rows with every
+    fix on (the variants turn them off, and the invariance predictions assume it), every band holding a
+    scored position, every variant a change from what it is compared with, every cell with a primary test
+    run on at least two seeds, the first-token endpoint only where both sides have the start marker.
+    Checked before any data is prepared or any file written."""
+    fixes = ("doc_mask", "reset_position_ids", "mask_boundary_loss")
+    off = [f"{flag}=false" for flag in fixes if not getattr(base, flag)]
+    if off:
+        raise ConfigError(
+            f"{', '.join(off)}: a study's reference trains with every fix on; its variants turn them off one at a time"
+        )
+    if base.packing == "pad":
+        raise ConfigError(
+            "packing=pad: a study's reference packs documents into rows (concat or bestfit); pad is a variant"
+        )
+    scored = base.seq_len - int(base.bos)  # under the marker, a row's last slot holds no document's text position
     for name in ("early_band", "middle_band", "late_band"):
         band = getattr(study, name)
         if band and band[1] > base.seq_len:
             raise ConfigError(f"{name}={band} reaches past seq_len={base.seq_len}: no position there is scored")
+        if band and band[0] >= scored:
+            raise ConfigError(f"{name}={band}: positions are scored below {scored} only, with these settings")
+    for variant in study.variants:
+        if "late" in primary_endpoints(study, variant) and not study.late_band:
+            raise ConfigError(f"primary.{variant} names late, but late_band is empty: give it a band")
     settings = {v: {**dataclasses.asdict(base), **VARIANTS[v]} for v in study.variants}
     for variant in study.variants:
         baseline = BASELINES.get(variant, "reference")
-        if variant != baseline and settings[variant] == settings[baseline] and variant != "pad_equal_compute":
+        if variant != baseline and settings[variant] == settings[baseline]:
             raise ConfigError(
                 f"variant {variant} changes nothing from {baseline} with these settings "
                 f"({', '.join(f'{k}={v}' for k, v in VARIANTS[variant].items())} already): drop it from variants"
+            )
+    for (pos, variant), seeds in seeds_of_cells(study).items():
+        if primary_endpoints(study, variant) and not predicted_invariant(pos, variant) and len(seeds) < 2:
+            raise ConfigError(
+                f"{pos}/{variant} has a primary test but runs on {len(seeds)} seed: a paired test needs at least 2"
             )
     for variant in study.variants:
         wanted = study.primary.get(variant, PRIMARY_ENDPOINTS.get(variant, []))
@@ -210,7 +233,8 @@ def primary_endpoints(study: Study, variant: str) -> list[str]:
 
 def predicted_invariant(pos: str, variant: str) -> bool:
     """Theory says this cell trains the same model as the reference, to float rounding: with the document
-    mask, RoPE's attention scores depend only on i - j, so resetting positions changes nothing."""
+    mask (check_against requires it of the reference), RoPE's attention scores depend only on i - j, so
+    resetting positions changes nothing."""
     return pos == "rope" and variant == "no_reset_position_ids"
 
 

@@ -242,6 +242,17 @@ def test_a_variant_is_compared_with_its_own_baseline_seed_by_seed():
             {"bos": False},
             "first_token needs the start marker",
         ),
+        # a reference with a fix off would make the invariance predictions false and the variants no-ops
+        ({}, {"doc_mask": False}, "doc_mask=false: a study's reference trains with every fix on"),
+        ({}, {"packing": "pad"}, "packing=pad: a study's reference packs documents into rows"),
+        # under the marker, position seq_len - 1 holds no text: a band there scores nothing
+        ({"late_band": [1023, 1024]}, {"bos": True}, "late_band=[1023, 1024]: positions are scored below 1023"),
+        ({"primary": {"no_doc_mask": ["late"]}}, {}, "primary.no_doc_mask names late, but late_band is empty"),
+        (
+            {"variants": ["reference", "no_doc_mask"], "seeds_by_variant": {"no_doc_mask": 1}},
+            {},
+            "learned/no_doc_mask has a primary test but runs on 1 seed",
+        ),
     ],
 )
 def test_a_study_the_settings_make_impossible_is_refused(table, settings, message):
@@ -249,6 +260,17 @@ def test_a_study_the_settings_make_impossible_is_refused(table, settings, messag
     study.validate()
     with pytest.raises(ConfigError, match=re.escape(message)):
         plan.check_against(study, Config(seq_len=1024, **settings))
+
+
+def test_the_edges_of_what_a_study_may_ask_are_accepted():
+    """The checks above refuse only what cannot be measured: the last scored band under the marker, and two
+    seeds, pass."""
+    study = plan.Study(variants=["reference", "no_doc_mask"], seeds=2, late_band=[1022, 1023])
+    study.validate()
+    plan.check_against(study, Config(seq_len=1024, bos=True))
+    invariant_on_one_seed = plan.Study(variants=["reference", "no_reset_position_ids"], invariance_seeds=1)
+    invariant_on_one_seed.validate()
+    plan.check_against(invariant_on_one_seed, Config(seq_len=1024))  # judged by its tolerance, not a t-test
 
 
 @pytest.mark.parametrize(
