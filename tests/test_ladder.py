@@ -1,5 +1,6 @@
 """The ladder's combined report: each rung's saved verdicts side by side, ordered by training tokens."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import pytest
 from conftest import ROOT
 
 from studies import ladder
+from studies.plan import parse_args
 
 
 def rung_config(tmp_path, name: str, max_iters: int) -> str:
@@ -36,10 +38,13 @@ def result(loss: float, last: float | None = None) -> dict:
     }
 
 
-def write_runs(tmp_path, name: str, runs: dict) -> None:
-    """A results.json as studies.ablate writes it, as far as the ladder reads it."""
+def write_runs(tmp_path, name: str, runs: dict, **study_changes) -> None:
+    """A results.json as studies.ablate writes it for the rung config `name`, as far as the ladder reads it;
+    study_changes: [ablate] settings the study had that its config no longer has."""
+    study, _ = parse_args([str(tmp_path / f"{name}.toml")])
+    saved = {"runs": runs, "probe_offsets": [64], "study": {**dataclasses.asdict(study), **study_changes}}
     (tmp_path / name).mkdir()
-    (tmp_path / name / "results.json").write_text(json.dumps({"runs": runs, "probe_offsets": [64]}))
+    (tmp_path / name / "results.json").write_text(json.dumps(saved))
 
 
 def no_doc_mask_runs(differences: list[float]) -> dict:
@@ -87,6 +92,16 @@ def test_bad_arguments_are_one_line(tmp_path, capsys):
     Path(gpt2).write_text(Path(gpt2).read_text().replace('tokenizer = "bpe"', 'tokenizer = "gpt2"'))
     assert ladder.main([gpt2]) == 1
     assert "the ladder counts parameters for a 'bpe' one" in capsys.readouterr().err
+    other_margin = rung_config(tmp_path, "other_margin", 150)
+    write_runs(tmp_path, "other_margin", no_doc_mask_runs([0.1, 0.2]), margin_band=0.05)
+    assert ladder.main([other_margin, f"--out_dir={tmp_path / 'report'}"]) == 1
+    assert "by a study with other settings than" in (err := capsys.readouterr().err) and "(study.margin_band)" in err
+    no_counts = rung_config(tmp_path, "no_counts", 150)
+    runs = no_doc_mask_runs([0.1, 0.2])
+    del runs["learned"]["no_doc_mask"][100]["val_doc_count_by_position"]
+    write_runs(tmp_path, "no_counts", runs)
+    assert ladder.main([no_counts, f"--out_dir={tmp_path / 'report'}"]) == 1
+    assert "cannot be read as a study's results (KeyError: 'val_doc_count_by_position')" in capsys.readouterr().err
     summary_only = rung_config(tmp_path, "summary_only", 150)
     (tmp_path / "summary_only").mkdir()
     (tmp_path / "summary_only" / "results.json").write_text(json.dumps({"summary": {}}))
