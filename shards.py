@@ -21,11 +21,14 @@ SHARD_FORMAT_VERSION = 2
 
 PREPARED_FILES = ("meta.json", "inputs.json", "tokenizer.tiktoken")
 
-# what loading a prepared folder, and describing it, read from its meta.json: a folder without one is damaged
+# what loading a prepared folder, describing it, and training on it read from its meta.json: a folder without
+# one is damaged
 META_KEYS = (
     *("tokenizer_sha256", "pattern", "vocab_size", "eot_id", "dtype", "splits", "dataset", "tokenizer_name"),
     *("skipped", "bytes_read", "seconds"),  # the preparation's own account, which `describe` prints
+    *("settings", "tokenizer"),  # the data settings a run on the folder adopts (train.adopt_prepared_settings)
 )
+SETTINGS_KEYS = ("val_fraction", "seed", "text_field", "tokenizer")  # of meta["settings"], read the same way
 
 
 class TokenStream:
@@ -96,6 +99,8 @@ def load_shards(path: Path) -> Shards:
     if not isinstance(meta, dict) or meta.get("format_version") != SHARD_FORMAT_VERSION:
         raise DataError(f"{path} was prepared by another version of prepare.py; delete it to prepare again")
     missing = [key for key in META_KEYS if key not in meta]
+    settings = meta.get("settings")
+    missing += [f"settings.{key}" for key in SETTINGS_KEYS if not isinstance(settings, dict) or key not in settings]
     splits = meta.get("splits")
     whole = isinstance(splits, dict) and all(
         isinstance(splits.get(split), dict)

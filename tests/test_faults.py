@@ -160,6 +160,17 @@ def test_a_meta_json_without_a_key_is_named(prepared, key):
     tried("damaged data folder")
 
 
+@pytest.mark.parametrize("key", shards.SETTINGS_KEYS)
+def test_a_meta_json_without_a_data_setting_is_named(prepared, key):
+    """Training on a prepared folder adopts these: without one it would stop with a KeyError."""
+    meta = json.loads((prepared / "meta.json").read_text())
+    del meta["settings"][key]
+    (prepared / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=f"meta.json lacks settings.{key}"):
+        shards.load_shards(prepared)
+    tried("damaged data folder")
+
+
 def test_a_dataset_that_is_the_data_dir_is_refused_under_any_spelling(prepared, tmp_path, monkeypatch):
     data_dir = prepared.parent
     (tmp_path / "link").symlink_to(data_dir)
