@@ -22,10 +22,10 @@ from pathlib import Path
 
 import files
 import train
-from config import NOT_DECIDING, Config, ConfigError, run_main, settings_from
+from config import ConfigError, run_main
 from model import GPT
 from studies.plan import VARIANTS, Study, parse_args
-from studies.report import ENDPOINT_NAMES, describe_effect, save_figure, saved_runs, summarise
+from studies.report import ENDPOINT_NAMES, describe_effect, save_figure, saved_runs, settings_changed, summarise
 from studies.tables import markdown_table
 
 # the rows of the tables, in this order, where a rung measured them
@@ -73,23 +73,6 @@ def read_rung(config: str) -> Rung | None:
     tokens = base.max_iters * base.batch_size * base.grad_accum * base.seq_len
     shift = late_band_shift(runs, summary, study, offsets, base.seq_len) if base.bos and study.late_band else None
     return Rung(config, tokens, parameters, summary, shift)
-
-
-def settings_changed(saved: dict, study: Study, base: Config) -> list[str]:
-    """The settings in which the study that wrote `saved` differs from the config read now (the ladder decides
-    a rung with the config's bands and margins, so they must be the ones the runs were planned with). Its
-    training settings are compared where it recorded them; studies before 2026-12-02 recorded only its
-    [ablate] table, and each run's own record (decided_by, in its result.json) holds the rest."""
-    recorded = {"study": (settings_from(Study, saved["study"], "python -m studies.ablate --help"), study)}
-    if "config" in saved:
-        recorded["config"] = (settings_from(Config, saved["config"], "python train.py --help"), base)
-    where = {"study": {"out_dir"}, "config": NOT_DECIDING}  # where the files are, and what cannot change a number
-    return [
-        f"{table}.{key}"
-        for table, (then, now) in recorded.items()
-        for key, value in dataclasses.asdict(now).items()
-        if key not in where[table] and dataclasses.asdict(then)[key] != value
-    ]
 
 
 def late_band_shift(runs: dict, summary: dict, study: Study, offsets: list[int], seq_len: int) -> float:

@@ -3,6 +3,8 @@ with their intervals, Holm over the primary family, the tables and the plots. A 
 enough to write them again, without running anything:
 
     python -m studies.report out/ablate/results.json      # writes results.md and the figures beside it
+    python -m studies.report RESULTS.json CONFIG.toml     # a study from before 2026-12-02, which did not record
+                                                          # its training settings: they come from its config
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from pathlib import Path
 import numpy as np
 
 import files
-from config import Config, ConfigError, run_main, settings_from
+from config import NOT_DECIDING, Config, ConfigError, run_main, settings_from
 from studies import import_leak, stats
 from studies.plan import (
     BASELINES,
     DIFFERENCE_ENDPOINTS,
     WHOLE_DOCUMENT_ENDPOINTS,
     Study,
+    parse_args,
     predicted_invariant,
     primary_endpoints,
     probes_invariant,
@@ -490,6 +493,23 @@ def saved_runs(saved: dict) -> dict:
     }
 
 
+def settings_changed(saved: dict, study: Study, base: Config) -> list[str]:
+    """The settings in which the study that wrote `saved` differs from the config read now (the ladder decides
+    a rung with the config's bands and margins, so they must be the ones the runs were planned with). Its
+    training settings are compared where it recorded them; studies before 2026-12-02 recorded only its
+    [ablate] table, and each run's own record (decided_by, in its result.json) holds the rest."""
+    recorded = {"study": (settings_from(Study, saved["study"], "python -m studies.ablate --help"), study)}
+    if "config" in saved:
+        recorded["config"] = (settings_from(Config, saved["config"], "python train.py --help"), base)
+    where = {"study": {"out_dir"}, "config": NOT_DECIDING}  # where the files are, and what cannot change a number
+    return [
+        f"{table}.{key}"
+        for table, (then, now) in recorded.items()
+        for key, value in dataclasses.asdict(now).items()
+        if key not in where[table] and dataclasses.asdict(then)[key] != value
+    ]
+
+
 def report_from(saved: dict, out: Path) -> None:
     """results.md and the figures from a study's saved results (the verdicts computed again from its runs)."""
     study = settings_from(Study, saved["study"], "python -m studies.ablate --help")
@@ -507,15 +527,27 @@ def report_from(saved: dict, out: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or argv[0].startswith("-"):
+    if len(argv) not in (1, 2) or any(a.startswith("-") for a in argv):
         print(__doc__.strip())
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     path = Path(argv[0])
     try:
         saved = json.loads(path.read_text())
-        missing = [k for k in ("study", "config", "runs", "probe_offsets", "environment") if k not in saved]
+        missing = [k for k in ("study", "runs", "probe_offsets", "environment") if k not in saved]
         if missing:
             raise ConfigError(f"{path} has no {', '.join(missing)}: it was written before reports could be rebuilt")
+        if len(argv) == 2:  # the training settings from the study's config, checked against what it recorded
+            study, base = parse_args([argv[1]])
+            if changed := settings_changed(saved, study, base):
+                raise ConfigError(
+                    f"{path} was written by a study with other settings than {argv[1]} ({', '.join(changed)})"
+                )
+            saved = {**saved, "config": dataclasses.asdict(base)}
+        elif "config" not in saved:
+            raise ConfigError(
+                f"{path} does not record its training settings (studies before 2026-12-02): give the study's "
+                f"config as well, python -m studies.report {path} CONFIG.toml"
+            )
         report_from(saved, path.parent)
     except (OSError, ValueError) as e:
         print(f"error: {path} cannot be read as a study's results.json ({e})", file=sys.stderr)

@@ -3,6 +3,7 @@ the refusal to reuse runs made with other settings, and a tiny study end to end.
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,20 @@ def test_a_report_is_not_rebuilt_from_a_file_that_lacks_the_runs(tmp_path):
     old.write_text(json.dumps({"summary": {}, "runs": {}}))
     assert report.main([str(old)]) == 1
     assert report.main([str(tmp_path / "none.json")]) == 1
+
+
+def test_a_study_that_did_not_record_its_training_settings_is_rebuilt_from_its_config(tmp_path, capsys):
+    """Stage 2 (2026-12-01) saved its [ablate] table but not train.py's settings: its report is rebuilt from
+    the config it ran with, and gives the verdicts committed then; another study's config is refused."""
+    saved = tmp_path / "results.json"
+    shutil.copy(ROOT / "results/ablate_cpu_stage2/results.json", saved)
+    assert report.main([str(saved)]) == 1
+    assert "does not record its training settings" in capsys.readouterr().err
+    assert report.main([str(saved), str(ROOT / "configs/ablate_cpu.toml")]) == 1
+    assert "other settings than" in capsys.readouterr().err and not (tmp_path / "results.md").exists()
+    assert report.main([str(saved), str(ROOT / "configs/ablate_cpu_stage2.toml")]) == 0
+    table = (tmp_path / "results.md").read_text()
+    assert "| learned | no_reset_position_ids | early band | 5.929 ± 0.068 | 5.988 ± 0.058 | **hurts**: +0.059" in table
 
 
 def test_help_lists_the_study_keys(capsys):
