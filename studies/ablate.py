@@ -39,7 +39,6 @@ import dataclasses
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -56,7 +55,7 @@ from shards import Shards, load_shards, load_tokenizer
 from studies import import_leak
 from studies.plan import Study, check_against, parse_args, run_config, run_order, seeds_of_cells
 from studies.probes import marker_id, probe_inputs, run_probes
-from studies.report import write_report
+from studies.report import code_commit, write_report
 
 
 def pad_steps_factor(shards: Shards, seq_len: int, bos_id: int | None = None) -> float:
@@ -167,23 +166,6 @@ class StudyStopped(Exception):
 
 # ----------------------------------------------------------------------------------------------
 # Endpoints and verdicts
-
-
-def code_commit() -> str:
-    """The commit of the code that runs, with a mark when the tracked files differ from it."""
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-        return (commit + ("+uncommitted changes" if dirty else "")) or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def environment() -> dict:

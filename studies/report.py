@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -230,7 +231,8 @@ def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cf
         "",
         f"- command: `{env['command']}`",
         f"- hardware: {env['hardware']}, torch {env['torch']}; runs trained at commit "
-        f"{extra['trained_at']}, this report written at commit {env['commit']}",
+        f"{extra['trained_at']}, this report written at commit {env['commit']}"
+        + (f" and rebuilt from its runs at commit {extra['rebuilt_at']}" if "rebuilt_at" in extra else ""),
         f"- model: {cfg.n_layer} layers, {cfg.n_embd} wide, {cfg.n_head} heads; data: {cfg.dataset}, tokenizer "
         f"{cfg.tokenizer} {cfg.tokenizer_vocab_size}; each packed run {cfg.max_iters} steps of "
         f"{cfg.batch_size * cfg.grad_accum} x {cfg.seq_len} tokens"
@@ -485,6 +487,23 @@ def write_report(
     report_from(saved, out)
 
 
+def code_commit() -> str:
+    """The commit of the code that runs, with a mark when the tracked files differ from it."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        return (commit + ("+uncommitted changes" if dirty else "")) or "unknown"
+    except OSError:
+        return "unknown"
+
+
 def saved_runs(saved: dict) -> dict:
     """A results.json's runs as summarise takes them: position kind -> variant -> seed (an int) -> result."""
     return {
@@ -548,7 +567,7 @@ def main(argv: list[str]) -> int:
                 f"{path} does not record its training settings (studies before 2026-12-02): give the study's "
                 f"config as well, python -m studies.report {path} CONFIG.toml"
             )
-        report_from(saved, path.parent)
+        report_from({**saved, "rebuilt_at": code_commit()}, path.parent)
     except (OSError, ValueError) as e:
         print(f"error: {path} cannot be read as a study's results.json ({e})", file=sys.stderr)
         return 1
