@@ -246,7 +246,7 @@ def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cf
         f"{regime['tokens_seeing_another_document']:.0%} of tokens can see another document without the mask "
         f"(documents: median {regime['median_document_tokens']:.0f}, mean {regime['mean_document_tokens']:.0f} tokens)",
         f"- seeds {study.first_seed} onwards; per cell: " + ", ".join(f"{key} {n}" for key, n in seeds.items()),
-        f"- wall time of the study: {extra['wall']}",
+        f"- wall time of the study (timing: it depends on the machine's load, and decides nothing): {extra['wall']}",
         "",
         "## Pre-registered endpoints and decision rules",
         "",
@@ -478,7 +478,7 @@ def write_report(
         "probe_offsets": offsets,
         "regime": regime,
         "pad_steps_factor": pad_factor,
-        "wall": f"{wall / 60:.0f} min of training steps (timing: depends on the machine's load)",
+        "wall": f"{wall / 60:.0f} min of training steps",
         "trained_at": ", ".join(sorted(commits)),
         "runs": runs,
     }
