@@ -186,9 +186,9 @@ def main(argv: list[str]) -> int:
         rungs.sort(key=lambda rung: rung.tokens)
         files.check_writable_folder(out, "out_dir")
         report = "\n".join(["# The ladder: each verdict at each rung", "", *ladder_tables(rungs), *shift_notes(rungs)])
+        plot(rungs, out)  # first: a figure that cannot be drawn leaves the old tables whole
         files.write_atomically(out / "ladder.md", report)
         files.write_atomically(out / "ladder.json", json.dumps([dataclasses.asdict(r) for r in rungs], indent=1))
-        plot(rungs, out)
     except (ConfigError, files.SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -538,8 +538,8 @@ def report_from(saved: dict, out: Path) -> None:
     runs = saved_runs(saved)
     summary = summarise(runs, study, offsets)
     report = format_report(summary, saved["environment"], study, offsets, base, saved)
+    plot(runs, summary, study, offsets, out)  # first: a figure that cannot be drawn leaves the old report whole
     files.write_atomically(out / "results.md", report)
-    plot(runs, summary, study, offsets, out)
     print("\n" + report)
     leak_figure = ", import_leak.png" if study.import_leak else ""
     print(f"wrote {out / 'results.md'}, effects.png, loss_by_position.png, offset_probe.png{leak_figure}")

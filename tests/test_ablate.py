@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
+import files
 from config import Config, ConfigError
 from studies import ablate, plan, report, stats
 
@@ -116,6 +117,20 @@ def test_a_study_that_did_not_record_its_training_settings_is_rebuilt_from_its_c
     assert report.main([str(saved), str(ROOT / "configs/ablate_cpu_stage2.toml")]) == 0
     table = (tmp_path / "results.md").read_text()
     assert "| learned | no_reset_position_ids | early band | 5.929 ± 0.068 | 5.988 ± 0.058 | **hurts**: +0.059" in table
+
+
+def test_a_figure_that_cannot_be_written_leaves_the_old_report_whole(tmp_path, monkeypatch, capsys):
+    saved = tmp_path / "results.json"
+    shutil.copy(ROOT / "results/ablate_cpu_stage2/results.json", saved)
+    (tmp_path / "results.md").write_text("the report of the figures beside it")
+
+    def disk_full(*args):
+        raise files.SaveFailed("effects.png could not be written: no space left on device")
+
+    monkeypatch.setattr(report, "plot", disk_full)
+    assert report.main([str(saved), str(ROOT / "configs/ablate_cpu_stage2.toml")]) == 1
+    assert "no space left" in capsys.readouterr().err
+    assert (tmp_path / "results.md").read_text() == "the report of the figures beside it"
 
 
 def test_help_lists_the_study_keys(capsys):

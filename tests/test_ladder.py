@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
+import files
 from studies import ladder
 from studies.plan import parse_args
 
@@ -135,3 +136,20 @@ def test_the_late_band_is_also_given_without_the_position_a_later_chunk_started_
     late = rung["summary"]["learned/no_reset_position_ids"]["endpoints"]["late"]
     assert late["estimate"] == pytest.approx(0.1 + 9.9 / 768) and rung["late_shift"] == pytest.approx(9.9 / 768)
     assert "moves its effects by at most 1.3e-02 nats" in (out / "ladder.md").read_text()
+
+
+def test_a_figure_that_cannot_be_written_leaves_the_old_tables_whole(tmp_path, monkeypatch, capsys):
+    config = rung_config(tmp_path, "rung", 150)
+    write_runs(tmp_path, "rung", no_doc_mask_runs([0.19, 0.2, 0.21]))
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "ladder.md").write_text("the tables of the figure beside them")
+
+    def disk_full(*args):
+        raise files.SaveFailed("effects.png could not be written: no space left on device")
+
+    monkeypatch.setattr(ladder, "plot", disk_full)
+    assert ladder.main([config, f"--out_dir={out}"]) == 1
+    assert "no space left" in capsys.readouterr().err
+    assert (out / "ladder.md").read_text() == "the tables of the figure beside them"
+    assert not (out / "ladder.json").exists()
