@@ -23,7 +23,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.special
 import scipy.stats
 
 ALPHA = 0.05  # family-wise error of each family of primary tests
@@ -36,11 +35,6 @@ def mean_spread(values: list[float]) -> tuple[float, float]:
 
 # ----------------------------------------------------------------------------------------------
 # Distributions, from scipy
-
-
-def regularized_incomplete_beta(a: float, b: float, x: float) -> float:
-    """I_x(a, b)."""
-    return float(scipy.special.betainc(a, b, x))
 
 
 def t_cdf(t: float, df: float) -> float:

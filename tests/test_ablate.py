@@ -117,6 +117,20 @@ def test_a_study_that_did_not_record_its_training_settings_is_rebuilt_from_its_c
     assert report.main([str(saved), str(ROOT / "configs/ablate_cpu_stage2.toml")]) == 0
     table = (tmp_path / "results.md").read_text()
     assert "| learned | no_reset_position_ids | early band | 5.929 ± 0.068 | 5.988 ± 0.058 | **hurts**: +0.059" in table
+    # the same effect from the saved sums, paired and tested by scipy
+    import scipy.stats
+
+    runs = json.loads(saved.read_text())["runs"]["learned"]
+
+    def early(run: dict) -> float:
+        return sum(run["val_doc_loss_sum_by_position"][:16]) / sum(run["val_doc_count_by_position"][:16])
+
+    seeds = sorted(runs["no_reset_position_ids"])
+    test = scipy.stats.ttest_rel(
+        [early(runs["no_reset_position_ids"][s]) for s in seeds], [early(runs["reference"][s]) for s in seeds]
+    )
+    low, high = test.confidence_interval(0.95)
+    assert f"**hurts**: +{(low + high) / 2:.3f} [+{low:.3f}, +{high:.3f}] |" in table and len(seeds) == 24
 
 
 def test_a_figure_that_cannot_be_written_leaves_the_old_report_whole(tmp_path, monkeypatch, capsys):
@@ -185,6 +199,14 @@ def fake_result(early: float, middle: float, doc_loss: float, offset_effect: flo
 def test_band_loss_is_token_weighted():
     result = {"val_doc_loss_sum_by_position": [4.0, 9.0, 1.0], "val_doc_count_by_position": [2, 3, 1]}
     assert report.band_loss(result, [0, 2]) == pytest.approx(13 / 5) and report.band_loss(result, [2, 3]) == 1.0
+
+
+def test_the_document_weighted_loss_is_the_mean_of_each_documents_own_loss():
+    # a document of 10 targets with loss 1.0 and one of a single target with loss 2.0: each counts once,
+    # (1.0 + 2.0) / 2 = 1.5, where token weighting would give 12 / 11
+    result = {**fake_result(5.0, 5.0, 5.0), "val_doc_loss_sum_by_document": [10.0, 2.0]}
+    result["val_doc_count_by_document"] = [10, 1]
+    assert report.endpoints(result, plan.Study(), [1, 32, 64])["doc_weighted"] == pytest.approx(1.5)
 
 
 def test_verdicts_on_known_results():

@@ -256,6 +256,16 @@ def test_bestfit_rows_hold_whole_documents_and_pad_the_rest():
     assert held == [[9], [4, 5], [2, 3, 3]]
 
 
+def test_bestfit_starts_a_row_with_the_last_chunk_of_a_long_document():
+    # T = 8 (rows of 9): a document of 11 tokens (slots 0-10) fills row 0 with slots 0-8; its last chunk (8-10,
+    # sharing slot 8) and a document of 5 tokens (11-15) share row 1, the chunk first although it was placed
+    # second, so that the row starts inside a document as a concat row does
+    rows = PACKINGS["bestfit"](Documents(stream_of([11, 5]), EOT), 8)
+    index, n_real = rows.index(np.arange(len(rows)), 9)
+    assert index.tolist() == [list(range(0, 9)), [8, 9, 10, 11, 12, 13, 14, 15, -1]]
+    assert n_real.tolist() == [9, 8]
+
+
 def test_bestfit_rows_depend_on_the_data_only():
     stream = stream_of(np.random.default_rng(3).integers(2, 50, 200).tolist())
     a, b = (PACKINGS["bestfit"](Documents(s, EOT), 32) for s in (stream, stream.copy()))

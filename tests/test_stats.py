@@ -9,13 +9,6 @@ import pytest
 from studies import stats
 
 
-def test_incomplete_beta_matches_the_binomial_tail():
-    # I_x(a, n - a + 1) = P(Binomial(n, x) >= a) for whole a
-    for n, a, x in ((4, 2, 0.4), (10, 3, 0.25), (20, 15, 0.7), (7, 7, 0.9)):
-        tail = sum(math.comb(n, j) * x**j * (1 - x) ** (n - j) for j in range(a, n + 1))
-        assert stats.regularized_incomplete_beta(a, n - a + 1, x) == pytest.approx(tail, rel=1e-12)
-
-
 def test_t_distribution_closed_forms_and_table_values():
     for t in (-3.0, -0.5, 0.0, 0.7, 2.0, 10.0):
         assert stats.t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-12)  # Cauchy
@@ -58,7 +51,17 @@ def test_equivalence_rejects_exactly_when_the_90_percent_interval_is_within_the_
     effect = stats.paired_effect(diffs)
     low, high = effect.interval(0.90)
     assert (effect.p_equivalence(margin) < 0.05) == (-margin < low and high < margin)
-    assert effect.bound() == pytest.approx(max(abs(low), abs(high)))
+
+
+def test_equivalence_p_and_bound_on_two_degrees_of_freedom_in_closed_form():
+    """Differences 1, 2, 3: mean 2, se 1/sqrt(3), 2 df, where P(T <= t) = 1/2 + t / (2 sqrt(2 + t^2)) and the
+    q-quantile is (2q - 1) / sqrt(2q(1 - q)). TOST against a margin of 3 is the larger one-sided p, that of
+    "effect >= 3" at t = -sqrt(3): 1/2 - sqrt(3/20) (the sum of both would be 0.1192)."""
+    effect = stats.paired_effect([1.0, 2.0, 3.0])
+    assert effect.p_equivalence(3.0) == pytest.approx(0.5 - math.sqrt(3 / 20), rel=1e-9)
+    t_95 = 0.9 / math.sqrt(2 * 0.95 * 0.05)  # 2.91999
+    assert effect.bound() == pytest.approx(2 + t_95 / math.sqrt(3), rel=1e-9)  # the 90% interval's far end
+    assert stats.paired_effect([-1.0, -2.0, -3.0]).bound() == pytest.approx(2 + t_95 / math.sqrt(3), rel=1e-9)
 
 
 def test_holm_adjusts_step_down_and_keeps_the_order():
@@ -73,6 +76,8 @@ def test_verdicts():
     assert stats.primary_verdict(down, 0.001, 1.0) == "helps"
     assert stats.primary_verdict(stats.Effect(0.001, 0.001, 5), 0.5, 0.001) == "negligible"
     assert stats.primary_verdict(stats.Effect(0.01, 0.02, 5), 0.3, 0.2) == "unresolved"
+    # many seeds: a tiny effect both different from 0 and within the margin is negligible, not "hurts"
+    assert stats.primary_verdict(stats.Effect(0.004, 0.0005, 39), 1e-6, 1e-6) == "negligible"
     assert stats.invariance([1.0, 2.0], [1.0, 2.0], 1e-4) == ("invariant", 0.0, True)
     verdict, worst, bitwise = stats.invariance([1.0, 2.00005], [1.0, 2.0], 1e-4)
     assert verdict == "invariant" and worst == pytest.approx(5e-5) and not bitwise
