@@ -133,29 +133,35 @@ def plot(rungs: list[Rung], out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     variants = [v for v in VARIANTS if any(k.endswith(f"/{v}") for rung in rungs for k in rung.summary)]
     variants = [v for v in variants if v != "reference"]
     columns = 3
+    ticks = [rung.tokens for rung in rungs]
     fig, axes = plt.subplots(-(-len(variants) // columns), columns, figsize=(15, 4 * -(-len(variants) // columns)))
     for ax, variant in zip(axes.flat, variants):
-        for pos in ("learned", "rope"):
-            for name in primary_in_some_rung(rungs, pos, variant):
-                points = [
-                    (rung.tokens, rung.summary[key]["endpoints"][name])
-                    for rung in rungs
-                    if (key := f"{pos}/{variant}") in rung.summary
-                    and "estimate" in rung.summary[key]["endpoints"].get(name, {})
-                ]
-                if not points:
-                    continue
-                x = [tokens for tokens, _ in points]
-                y = [entry["estimate"] for _, entry in points]
-                low = [entry["estimate"] - entry["ci95"][0] for _, entry in points]
-                high = [entry["ci95"][1] - entry["estimate"] for _, entry in points]
-                ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label=f"{pos}: {ENDPOINT_NAMES[name]}")
+        series = [(pos, name) for pos in ("learned", "rope") for name in primary_in_some_rung(rungs, pos, variant)]
+        for i, (pos, name) in enumerate(series):
+            nudge = 1.06 ** (i - (len(series) - 1) / 2)  # side by side, so that the intervals do not hide each other
+            points = [
+                (rung.tokens, rung.summary[key]["endpoints"][name])
+                for rung in rungs
+                if (key := f"{pos}/{variant}") in rung.summary
+                and "estimate" in rung.summary[key]["endpoints"].get(name, {})
+            ]
+            if not points:
+                continue
+            x = [tokens * nudge for tokens, _ in points]
+            y = [entry["estimate"] for _, entry in points]
+            low = [entry["estimate"] - entry["ci95"][0] for _, entry in points]
+            high = [entry["ci95"][1] - entry["estimate"] for _, entry in points]
+            ax.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label=f"{pos}: {ENDPOINT_NAMES[name]}")
         ax.axhline(0, color="grey", linewidth=0.8)
         ax.set_xscale("log")
+        ax.set_xticks(ticks, [f"{tokens / 1e6:.2g}M" for tokens in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlim(min(ticks) / 1.6, max(ticks) * 1.6)
         ax.set_title(f"{variant} (its baseline subtracted)")
         ax.set_xlabel("training tokens")
         ax.set_ylabel("effect on loss (nats)")
