@@ -63,8 +63,9 @@ def _stdlib_modules() -> list[Path]:
 
 
 def _package_modules() -> list[Path]:
-    """Python sources of the distributions that requirements.txt pins and of everything they require,
-    as installed, in a fixed order: a larger built-in corpus, the same wherever the pins are installed."""
+    """Python sources of exactly the distributions that requirements.txt pins, at the pinned versions, in a
+    fixed order. Their own requirements are not followed: those are unpinned, and a corpus read from them
+    could not be rebuilt on another machine."""
     import importlib.metadata as metadata  # only needed here
 
     from packaging.requirements import Requirement
@@ -72,21 +73,20 @@ def _package_modules() -> list[Path]:
     requirements = Path(__file__).with_name("requirements.txt")
     if not requirements.is_file():
         raise DataError(f"the packages corpora read the distributions that {requirements} pins; it is missing")
-    pending = [Requirement(line).name for line in requirements.read_text().splitlines() if line.split("#")[0].strip()]
-    seen, modules = set(), set()
-    while pending:
-        name = pending.pop()
-        key = name.lower().replace("_", "-")
-        if key in seen:
+    modules = set()
+    for line in requirements.read_text().splitlines():
+        if not line.split("#")[0].strip():
             continue
-        seen.add(key)
+        pin = Requirement(line.split("#")[0])
         try:
-            distribution = metadata.distribution(name)
+            distribution = metadata.distribution(pin.name)
         except metadata.PackageNotFoundError:
-            raise DataError(f"the packages corpora: {name} is not installed; pip install -r {requirements}") from None
-        for requirement in map(Requirement, distribution.requires or []):
-            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
-                pending.append(requirement.name)
+            raise DataError(f"the packages corpora: {pin.name} is not installed; pip install -r {requirements}") from None
+        if not pin.specifier.contains(distribution.version, prereleases=True):
+            raise DataError(
+                f"the packages corpora: {pin.name} {distribution.version} is installed, {requirements.name} pins "
+                f"{pin.specifier}; pip install -r {requirements}"
+            )
         modules |= {
             Path(distribution.locate_file(f)).resolve()
             for f in distribution.files or []
@@ -441,23 +441,17 @@ def read_documents(
 
 
 def fingerprint(source: Source) -> list[list]:
-    """Per input file: path (relative to the source root), size, modification time and a hash of its
-    first and last MiB (the whole file when smaller). A changed file changes the fingerprint."""
-    block = 1 << 20
+    """Per input file: path (relative to the source root), size and SHA-256 of its content. Modification times
+    are left out, so the same content prepared on any machine gets the same fingerprint and folder name."""
     prints = []
     for path in source.files:
         relative = path.relative_to(source.root) if path.is_relative_to(source.root) else path
         try:
-            stat = path.stat()
-            digest = hashlib.blake2b(digest_size=16)
             with open(path, "rb") as f:
-                digest.update(f.read(block))
-                if stat.st_size > 2 * block:
-                    f.seek(-block, os.SEEK_END)
-                digest.update(f.read(block))
-            prints.append([str(relative), stat.st_size, stat.st_mtime_ns, digest.hexdigest()])
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            prints.append([str(relative), path.stat().st_size, digest])
         except OSError as e:  # reading it will skip it (in a folder) or say why (alone)
-            prints.append([str(relative), -1, 0, f"unreadable: {e.strerror}"])
+            prints.append([str(relative), -1, f"unreadable: {e.strerror}"])
     return prints
 
 

@@ -37,7 +37,18 @@ from config import DATA_SETTINGS, Config
 from corpora import Source, describe_changes, file_kind, fingerprint, label, read_documents, resolve_dataset
 from data import DataError
 from files import ConfigError, Progress, check_writable_folder, exclusive_lock
-from shards import EOT_TEXT, SHARD_FORMAT_VERSION, is_prepared_folder, load_shards, read_tiktoken, tiktoken_encoding
+from shards import (
+    EOT_TEXT,
+    SHARD_FORMAT_VERSION,
+    TIMINGS_FILE,
+    content_digests,
+    digest_of,
+    is_prepared_folder,
+    load_shards,
+    read_tiktoken,
+    read_timings,
+    tiktoken_encoding,
+)
 
 SHARD_TOKENS = 100_000_000  # tokens per shard file at most (200 MB of uint16)
 
@@ -232,7 +243,8 @@ def _report_stale(data_dir: Path, source: Source, settings: Config, inputs: list
             meta = json.loads(meta_path.read_text())
             if meta.get("source") == source.identity and meta.get("settings") == deciding(settings):
                 old_inputs = json.loads((meta_path.parent / "inputs.json").read_text())
-                earlier.append((meta.get("prepared_at", 0), str(meta_path.parent), old_inputs))
+                prepared_at = read_timings(meta_path.parent).get("prepared_at", 0)
+                earlier.append((prepared_at, str(meta_path.parent), old_inputs))
         except (OSError, ValueError, AttributeError):
             continue
     if earlier:
@@ -306,12 +318,13 @@ def _prepare_into(out: Path, dataset: str, source: Source, settings: Config, inp
         "skipped_files": skipped_files,
         "splits": splits,
         "bytes_read": total_bytes,
-        "seconds": {phase: round(s, 2) for phase, s in seconds.items()},
-        "prepared_at": time.time(),
     }
+    # timings vary from run to run: kept apart, so that the folder's content digest is the same on every machine
+    timings = {"seconds": {phase: round(s, 2) for phase, s in seconds.items()}, "prepared_at": time.time()}
     (out / "inputs.json").write_text(json.dumps(inputs))
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
-    for line in describe(meta):
+    (out / TIMINGS_FILE).write_text(json.dumps(timings, indent=1))
+    for line in describe(meta, timings):
         log(line)
     return meta
 
@@ -490,8 +503,8 @@ def _write_shards(out: Path, n_buckets: int, dtype, skipped: Counter, log) -> di
     return splits
 
 
-def describe(meta: dict) -> list[str]:
-    """What a preparation made, for the log and `python prepare.py`."""
+def describe(meta: dict, timings: dict) -> list[str]:
+    """What a preparation made, for the log and `python prepare.py`; `timings` may be empty (not kept)."""
     skipped = ", ".join(f"{n:,} {why}" for why, n in meta["skipped"].items() if n) or "none"
     train, val = meta["splits"]["train"], meta["splits"]["val"]
     lines = [
@@ -508,12 +521,15 @@ def describe(meta: dict) -> list[str]:
     for why, names in meta.get("skipped_files", {}).items():
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5:,} more" if len(names) > 5 else "")
         lines.append(f"data: skipped {len(names):,} file(s) whole ({why.replace('_', ' ')}): {shown}")
-    tokens, seconds = train["tokens"] + val["tokens"], meta["seconds"]
-    lines.append(
-        f"data: {meta['bytes_read'] / 1e6:,.1f} MB read, {tokens:,} tokens in {seconds['total']:.1f}s "
-        f"({tokens / max(seconds['total'], 1e-9):,.0f} tokens/s; tokenizer {seconds['tokenizer']:.1f}s, "
-        f"encoding {seconds['encoding']:.1f}s, shuffling into shards {seconds['shards']:.1f}s)"
-    )
+    tokens, seconds = train["tokens"] + val["tokens"], timings.get("seconds")
+    read = f"data: {meta['bytes_read'] / 1e6:,.1f} MB read, {tokens:,} tokens"
+    if seconds:
+        read += (
+            f" in {seconds['total']:.1f}s ({tokens / max(seconds['total'], 1e-9):,.0f} tokens/s; tokenizer "
+            f"{seconds['tokenizer']:.1f}s, encoding {seconds['encoding']:.1f}s, shuffling into shards "
+            f"{seconds['shards']:.1f}s)"
+        )
+    lines.append(read)
     return lines
 
 
@@ -547,6 +563,7 @@ def main(argv: list[str]) -> int:
         cfg = parse_config(config_file + args)
         path = prepare_for(cfg)
         meta = load_shards(path).meta
+        digests = content_digests(path)
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -557,8 +574,9 @@ def main(argv: list[str]) -> int:
         )
         return interrupted_exit_code(e)
     print(f"ready: {path}")
-    for line in describe(meta):
+    for line in describe(meta, read_timings(path)):
         print("  " + line.removeprefix("data: "))
+    print(f"  content digest {digest_of(digests)} (sha256 of its {len(digests)} files, timings.json aside)")
     defaults = Config()
     deciding = "".join(
         f" --{key}={getattr(cfg, key)}" for key in DATA_KEYS[1:] if getattr(cfg, key) != getattr(defaults, key)

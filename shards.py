@@ -17,15 +17,16 @@ from data import DataError, eot_positions
 EOT_TEXT = "<|endoftext|>"
 BOS_TEXT = "<|bos|>"  # the start marker's text, for decoding and the export; never read from text
 
-SHARD_FORMAT_VERSION = 2
+SHARD_FORMAT_VERSION = 3  # 3: folders named by content (no modification times), timings out of meta.json
 
 PREPARED_FILES = ("meta.json", "inputs.json", "tokenizer.tiktoken")
+TIMINGS_FILE = "timings.json"  # how long the preparation took: the one file that differs between machines
 
 # what loading a prepared folder, describing it, and training on it read from its meta.json: a folder without
 # one is damaged
 META_KEYS = (
     *("tokenizer_sha256", "pattern", "vocab_size", "eot_id", "dtype", "splits", "dataset", "tokenizer_name"),
-    *("skipped", "bytes_read", "seconds"),  # the preparation's own account, which `describe` prints
+    *("skipped", "bytes_read"),  # the preparation's own account, which `describe` prints
     *("settings", "tokenizer"),  # the data settings a run on the folder adopts (train.adopt_prepared_settings)
 )
 SETTINGS_KEYS = ("val_fraction", "seed", "text_field", "tokenizer")  # of meta["settings"], read the same way
@@ -84,6 +85,31 @@ def is_prepared_folder(dataset: str) -> bool:
     return (
         bool(dataset.strip()) and (Path(dataset) / "meta.json").is_file() and (Path(dataset) / "inputs.json").is_file()
     )
+
+
+def read_timings(path: Path) -> dict:
+    """The preparation's timings; {} when they were not kept (a folder copied without them is still whole)."""
+    try:
+        timings = json.loads((Path(path) / TIMINGS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return timings if isinstance(timings, dict) else {}
+
+
+def content_digests(path: Path) -> dict[str, str]:
+    """SHA-256 of every file of a prepared folder but its timings, by name: equal on two machines exactly when
+    they prepared the same data."""
+    digests = {}
+    for file in sorted(Path(path).iterdir()):
+        if file.is_file() and file.name != TIMINGS_FILE:
+            with open(file, "rb") as f:
+                digests[file.name] = hashlib.file_digest(f, "sha256").hexdigest()
+    return digests
+
+
+def digest_of(digests: dict[str, str]) -> str:
+    """One digest for a folder's per-file digests (what a study records of its data)."""
+    return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
 
 
 def load_shards(path: Path) -> Shards:

@@ -51,7 +51,7 @@ import files
 import train
 from config import NOT_DECIDING, Config, ConfigError, help_text, interrupted_exit_code, resolve_device, run_main
 from prepare import prepare_for
-from shards import Shards, load_shards, load_tokenizer
+from shards import Shards, content_digests, digest_of, load_shards, load_tokenizer
 from studies import import_leak
 from studies.plan import Study, check_against, parse_args, run_config, run_order, seeds_of_cells
 from studies.probes import marker_id, probe_inputs, run_probes
@@ -77,12 +77,15 @@ def packing_regime(shards: Shards, seq_len: int, bos_id: int | None = None) -> d
     }
 
 
-def decided_by(cfg: Config, study: Study, offsets: list[int], shard_folder: str) -> dict:
+def decided_by(cfg: Config, study: Study, offsets: list[int], shard_folder: str, data_digest: str) -> dict:
     """What decides a run's result: its training settings, the data (the shard folder's name holds a hash
-    of the corpus content and the data settings) and the probes' settings."""
+    of the corpus content and the data settings; the digest, of the prepared bytes), the thread count and
+    the probes' settings."""
     return {
         "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_DECIDING},  # config.py's roles
         "shards": shard_folder,
+        "data_digest": data_digest,
+        "threads": study.threads,
         "probes": {
             "probe_docs": study.probe_docs,
             "probe_offsets": offsets,
@@ -121,6 +124,31 @@ def check_reusable(out: Path, decided: dict) -> None:
             )
 
 
+def check_data(out: Path, shard_path: Path) -> str:
+    """The prepared data's digest. The study's first start writes each file's SHA-256 to out/data.sha256 (the
+    format of `sha256sum -c`); every later start, on this machine or another, compares the data with it and
+    names the files that differ."""
+    digests = content_digests(shard_path)
+    record = out / "data.sha256"
+    lines = [f"{digest}  {shard_path.name}/{name}" for name, digest in digests.items()]
+    if not record.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        files.write_atomically(record, "\n".join(lines) + "\n")
+        return digest_of(digests)
+    try:
+        recorded = dict(line.split(maxsplit=1)[::-1] for line in record.read_text().splitlines() if line.strip())
+    except (ValueError, UnicodeDecodeError):
+        raise data.DataError(f"{record} is damaged (not 'digest  file' lines): restore it from the study's results") from None
+    now = dict(line.split(maxsplit=1)[::-1] for line in lines)
+    differing = sorted(name for name in recorded.keys() | now.keys() if recorded.get(name) != now.get(name))
+    if differing:
+        raise data.DataError(
+            f"the prepared data differ from what this study recorded in {record}: {', '.join(differing)}; "
+            "prepare it as the study's README says, or give the study another out_dir"
+        )
+    return digest_of(digests)
+
+
 def run_one(cfg: Config, study: Study, decided: dict, offsets: list[int]) -> dict:
     """The run's result: read back when it finished before (check_reusable has vouched for it), else
     trained (or resumed) and probed."""
@@ -144,6 +172,8 @@ def run_one(cfg: Config, study: Study, decided: dict, offsets: list[int]) -> dic
         "useful_tokens_per_sec": float(np.mean([r["counted_tokens_per_sec"] for r in train_records])),
         "steps": cfg.max_iters,
         "trained_at_commit": code_commit(),
+        "trained_on": environment()["hardware"],
+        "threads": torch.get_num_threads(),
         **run_probes(out, cfg, study.probe_docs, offsets),
     }
     if study.import_leak:
@@ -178,6 +208,7 @@ def environment() -> dict:
         hardware = f"CPU: {names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     return {
         "hardware": hardware,
+        "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "commit": commit,
         "command": " ".join(["python -m studies.ablate", *sys.argv[1:]]),
@@ -208,6 +239,9 @@ def main(argv: list[str]) -> int:
         files.check_writable_folder(out, "out_dir")  # before any work: the study ends by writing its report here
         shard_path = prepare_for(base)
         shards = load_shards(shard_path)
+        data_digest = check_data(out, shard_path)
+        if study.threads:
+            torch.set_num_threads(study.threads)
         bos_id = marker_id(shards, base)
         pad_factor = pad_steps_factor(shards, base.seq_len, bos_id)
         regime = packing_regime(shards, base.seq_len, bos_id)
@@ -220,7 +254,7 @@ def main(argv: list[str]) -> int:
         planned = []
         for pos, variant, seed in run_order(seeds):
             cfg = run_config(base, pos, variant, seed, out / pos / variant / f"seed{seed}", pad_factor)
-            decided = decided_by(cfg, study, offsets, shard_path.name)
+            decided = decided_by(cfg, study, offsets, shard_path.name, data_digest)
             check_reusable(Path(cfg.out_dir), decided)  # every run before the first trains
             planned.append((pos, variant, seed, cfg, decided))
         runs: dict = {pos: {v: {} for v in study.variants} for pos in study.pos_embs}

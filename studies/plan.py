@@ -115,6 +115,12 @@ class Study:
         "tokens of other documents before each probe document (1, the EOT alone, and seq_len / 2 are added)",
         minimum=1,
     )
+    threads: int = setting(
+        0,
+        "torch threads of every run (0: torch's default); fixed within a study, since the thread count changes "
+        "the order of float sums, which training amplifies",
+        minimum=0,
+    )
     import_leak: bool = setting(False, "also run import_leak.py's probe on every run (needs whole Python files)")
     leak_pairs: int = setting(64, "pairs of the import-leak probe at most", minimum=1)
 

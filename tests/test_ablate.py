@@ -1,6 +1,7 @@
 """ablate.py: the study's settings, its seeds and run order, the endpoints and verdicts on known results,
 the refusal to reuse runs made with other settings, and a tiny study end to end."""
 
+import hashlib
 import json
 import re
 import shutil
@@ -14,6 +15,7 @@ from conftest import ROOT
 
 import files
 from config import Config, ConfigError
+from data import DataError
 from studies import ablate, plan, report, stats
 
 
@@ -549,3 +551,24 @@ def test_the_signed_rank_check_says_when_the_seeds_are_too_few_for_it_to_pass():
     # beside a cell of 12 seeds the family could pass, but a cell of 3 never can: its own floor is 2/8
     assert family(1, clear[:3], [0.1] * 12)["robust"] is None
     assert family(1, [0.1 + 0.001 * i for i in range(12)], clear[:3])["robust"] is True
+
+
+def test_a_study_records_its_data_and_names_the_files_that_differ_at_a_later_start(tmp_path):
+    from studies.ablate import check_data
+
+    prepared = tmp_path / "data" / "corpus-bpe300-0123abcd"
+    prepared.mkdir(parents=True)
+    for name, content in (("meta.json", b"{}"), ("train_000000.bin", b"\x01\x02"), ("timings.json", b"1")):
+        (prepared / name).write_bytes(content)
+    out = tmp_path / "study"
+    first = check_data(out, prepared)
+    lines = (out / "data.sha256").read_text().splitlines()
+    assert lines == [
+        f"{hashlib.sha256(b'{}').hexdigest()}  corpus-bpe300-0123abcd/meta.json",
+        f"{hashlib.sha256(bytes([1, 2])).hexdigest()}  corpus-bpe300-0123abcd/train_000000.bin",
+    ]  # sha256sum's format; the timings are not data
+    (prepared / "timings.json").write_bytes(b"2")
+    assert check_data(out, prepared) == first
+    (prepared / "train_000000.bin").write_bytes(b"\x01\x03")
+    with pytest.raises(DataError, match=r"differ .*: corpus-bpe300-0123abcd/train_000000.bin; prepare"):
+        check_data(out, prepared)

@@ -15,6 +15,7 @@ import torch
 from conftest import ROOT, make_documents
 
 import corpora
+import shards
 import prepare
 from config import Config
 from data import DataError, PackedBatches
@@ -203,7 +204,7 @@ def test_stdlib_corpus_is_split_into_top_level_definitions():
     assert all(d.lstrip().startswith(("def ", "async def ", "class ", "@")) for d in docs)
 
 
-def test_packages_corpus_is_the_pinned_distributions_and_what_they_require(tmp_path):
+def test_packages_corpus_is_exactly_the_pinned_distributions(tmp_path):
     import itertools
 
     source = corpora.resolve_dataset("packages")
@@ -211,8 +212,8 @@ def test_packages_corpus_is_the_pinned_distributions_and_what_they_require(tmp_p
     relative = {p.relative_to(source.root).as_posix() for p in source.files if p.is_relative_to(source.root)}
     for pinned in ("torch/__init__.py", "numpy/__init__.py", "tiktoken/core.py"):  # from requirements.txt
         assert pinned in relative
-    assert "sympy/__init__.py" in relative  # required by torch
-    assert "pip/__init__.py" not in relative  # installed, but nothing pinned requires it
+    assert "sympy/__init__.py" not in relative  # required by torch, but unpinned: a corpus read from it could not be rebuilt
+    assert "pip/__init__.py" not in relative  # installed, but not pinned
     docs = list(itertools.islice(corpora.read_documents(source), 2000))
     assert len(docs) == 2000 and all(d.lstrip().startswith(("def ", "async def ", "class ", "@")) for d in docs)
 
@@ -545,3 +546,50 @@ def test_data_benchmark_runs_at_a_tiny_size(tmp_path):
         [sys.executable, "-m", "studies.bench_data", "--gb=0"], cwd=ROOT, capture_output=True, text=True
     )
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1
+
+
+# ---- rebuilding the same data on another machine
+
+
+def test_the_folder_name_and_content_digest_depend_on_content_not_modification_times(tmp_path):
+    docs = make_documents(60)
+    corpus = tmp_path / "c.jsonl"
+    first = prepare_docs(tmp_path, docs)
+    write_jsonl(corpus, docs)
+    os.utime(corpus, (1, 1))  # the same bytes, written at another time, prepared into another data_dir
+    second = prepare.prepare(str(corpus), str(tmp_path / "elsewhere"), SMALL, **QUIET)
+    assert first.name == second.name
+    assert shards.content_digests(first) == shards.content_digests(second)
+    assert (first / shards.TIMINGS_FILE).is_file()  # kept, but outside the digest
+    assert shards.TIMINGS_FILE not in shards.content_digests(first)
+    assert "seconds" not in json.loads((first / "meta.json").read_text())
+    size = corpus.stat().st_size
+    i = next(i for i, c in enumerate(docs[0]) if c.isascii() and c.isalpha())
+    write_jsonl(corpus, [docs[0][:i] + docs[0][i].swapcase() + docs[0][i + 1 :], *docs[1:]])  # one letter changed
+    os.utime(corpus, (1, 1))
+    assert corpus.stat().st_size == size
+    third = prepare.prepare(str(corpus), str(tmp_path / "elsewhere"), SMALL, **QUIET)
+    assert third.name != first.name
+
+
+def test_the_content_digest_is_sha256_of_each_file(tmp_path):
+    folder = prepare_docs(tmp_path, make_documents(40))
+    expected = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir() if p.name != "timings.json"}
+    assert shards.content_digests(folder) == expected
+    assert {"meta.json", "inputs.json", "tokenizer.tiktoken", "train_000000.bin"} <= expected.keys()
+
+
+def test_packages_refuses_a_distribution_installed_at_another_version_than_its_pin(monkeypatch):
+    import importlib.metadata as metadata
+
+    real = metadata.distribution
+
+    class Elsewhere:  # numpy installed at a version other than its pin
+        def __getattr__(self, name):
+            return getattr(real("numpy"), name)
+
+        version = "0.0.1"
+
+    monkeypatch.setattr(metadata, "distribution", lambda name: Elsewhere() if name == "numpy" else real(name))
+    with pytest.raises(DataError, match=r"numpy 0\.0\.1 is installed, requirements.txt pins ==\d"):
+        corpora._package_modules()

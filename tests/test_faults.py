@@ -229,7 +229,7 @@ def test_interrupts_and_kills_at_random_points_of_preparation_leave_it_clean_and
     reference = python(*command[1:], f"--data_dir={tmp_path / 'reference'}")
     assert reference.returncode == 0, reference.stderr
     (expected,) = complete_folders(tmp_path / "reference")
-    seconds = json.loads((expected / "meta.json").read_text())["seconds"]["total"]  # tokenizer, encoding, shards
+    seconds = json.loads((expected / "timings.json").read_text())["seconds"]["total"]  # tokenizer, encoding, shards
     data_dir = tmp_path / "data"
     rng = random.Random(0)
     interrupted, latest = 0, 0.5 * seconds

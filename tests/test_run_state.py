@@ -162,7 +162,7 @@ def test_empty_files_in_a_folder_are_skipped_and_named_and_a_damaged_one_is_refu
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["skipped"]["empty_file"] == 4
     assert meta["skipped_files"] == {"empty_file": ["blank.jsonl", "empty.jsonl", "empty.jsonl.gz", "empty.jsonl.zst"]}
-    assert any("skipped 4 file(s) whole (empty file): blank.jsonl" in line for line in prepare.describe(meta))
+    assert any("skipped 4 file(s) whole (empty file): blank.jsonl" in line for line in prepare.describe(meta, {}))
     good = gzip.compress(b'{"text": "a b c"}\n' * 500)
     (corpus / "cut.jsonl.gz").write_bytes(good[: len(good) // 2])  # damage found after some of it was read
     with pytest.raises(DataError, match="cut.jsonl.gz cannot be read to the end"):
@@ -356,3 +356,19 @@ def test_a_config_json_that_disagrees_with_its_checkpoint_is_refused_by_the_chec
     cfg = parse_config([f"--out_dir={run}", "--resume=true"])  # config.json alone is consistent
     with pytest.raises(ConfigError, match=r"ckpt.pt with a different model or data setting \(n_embd: 32 -> 48\)$"):
         train.train(cfg)
+
+
+def test_a_result_file_never_replaces_a_device_a_fifo_or_a_folder(tmp_path):
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    (tmp_path / "ckpt.pt.tmp").mkdir()  # a folder where the temporary file goes
+    for path in (fifo, Path("/dev/null"), tmp_path / "ckpt.pt"):
+        with pytest.raises(files.SaveFailed, match="is not a regular file"):
+            files.write_atomically(path, "{}")
+    assert fifo.is_fifo() and Path("/dev/null").is_char_device() and (tmp_path / "ckpt.pt.tmp").is_dir()
+    assert not (tmp_path / "ckpt.pt").exists()
+    files.write_atomically(tmp_path / "result.json", "{}")  # absent, then a regular file: written, replaced
+    files.write_atomically(tmp_path / "result.json", "[]")
+    assert (tmp_path / "result.json").read_text() == "[]"
