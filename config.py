@@ -173,9 +173,21 @@ def run_main(main) -> None:
         print("\ninterrupted: stopped at once; nothing half-written was kept", file=sys.stderr)
         code = interrupted_exit_code(e)
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail too
+        _silence_stdout()
         code = 141  # 128 + SIGPIPE
+    except OSError as e:  # what reaches here is the output itself failing (a full disk or device under stdout):
+        _silence_stdout()  # the scripts' own files fail as SaveFailed or DataError, with their own line
+        try:
+            print(f"error: cannot write the output ({e.strerror or e}); what was saved before is kept", file=sys.stderr)
+        except OSError:
+            pass
+        code = 1
     sys.exit(code)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's flush at exit does not fail a second time."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -44,7 +44,11 @@ def exclusive_lock(path: Path, on_busy: Callable[[str], None] | None = None) -> 
 
 
 def lock_holder(fd: int) -> str:
-    """The process holding the lock on this file: from /proc/locks (Linux), else the pid written in it."""
+    """The process holding the lock on this file: the pid its holder wrote in it, while that process lives;
+    else from /proc/locks (Linux). /proc/locks can name a short-lived child that inherited the descriptor."""
+    written = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    if written.isdigit() and Path(f"/proc/{written}").exists():
+        return written
     stat = os.fstat(fd)
     device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
     try:
@@ -54,7 +58,7 @@ def lock_holder(fd: int) -> str:
                 return fields[fields.index(device) - 1]
     except OSError:
         pass
-    return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    return written or "unknown"
 
 
 def check_writable_folder(folder: Path, what: str) -> None:

@@ -280,7 +280,7 @@ def _prepare_into(out: Path, dataset: str, source: Source, settings: Config, inp
     skipped: Counter = Counter()
     skipped_files: dict[str, list[str]] = {}  # by reason: the files skipped whole, by name
     seconds["tokenizer"] = time.time() - seconds["start"]
-    n_buckets = _encode_into_buckets(
+    n_buckets, replaced = _encode_into_buckets(
         out / "buckets", source, settings, enc, dtype, total_bytes, (skipped, skipped_files), log
     )
     seconds["encoding"] = time.time() - seconds["start"] - seconds["tokenizer"]
@@ -316,6 +316,7 @@ def _prepare_into(out: Path, dataset: str, source: Source, settings: Config, inp
         "dtype": dtype.name,
         "skipped": {why: n for why, n in sorted(skipped.items()) if n},
         "skipped_files": skipped_files,
+        "lone_surrogates_replaced": replaced,  # documents kept with U+FFFD in place of each lone surrogate
         "splits": splits,
         "bytes_read": total_bytes,
     }
@@ -381,10 +382,11 @@ def _encode_into_buckets(
     total_bytes: int,
     skipped: tuple[Counter, dict[str, list[str]]],
     log,
-) -> int:
+) -> tuple[int, int]:
     """Encode every document on all cores into buckets chosen by its order key: files
     <split>_<bucket>.tokens and .index (key, length per document). `skipped`: what was left out, counted
-    by reason, and the files skipped whole, by name. Returns the number of buckets."""
+    by reason, and the files skipped whole, by name. Returns the number of buckets and of documents whose
+    lone surrogates were replaced by U+FFFD."""
     compressed = sum(1 for p in source.files if file_kind(p) == "parquet" or p.name.endswith((".gz", ".zst")))
     estimate = total_bytes * (4 if compressed else 1)  # compressed corpora hold more text than their size
     n_buckets = min(4096, max(1, math.ceil(estimate / BUCKET_TEXT_BYTES)))
@@ -422,12 +424,14 @@ def _encode_into_buckets(
     in_flight: deque = deque()
     batch: list[str] = []
     batch_keys: list[tuple[int, bool]] = []
-    batch_chars = 0
+    batch_chars = replaced = 0
     with ThreadPoolExecutor(threads) as pool:
         try:
             on_bytes = lambda n: progress.advance(n)  # noqa: E731
             for text in read_documents(source, settings.text_field, skipped[0], on_bytes, skipped[1]):
-                text, key, draw = _document_key(text, settings.data_seed)
+                fit, key, draw = _document_key(text, settings.data_seed)
+                replaced += fit is not text
+                text = fit
                 batch.append(text)
                 batch_keys.append((key, draw < settings.val_fraction))
                 batch_chars += len(text)
@@ -448,7 +452,7 @@ def _encode_into_buckets(
                 future.cancel()
     flush()
     progress.close()
-    return n_buckets
+    return n_buckets, replaced
 
 
 def _write_shards(out: Path, n_buckets: int, dtype, skipped: Counter, log) -> dict:
@@ -518,6 +522,11 @@ def describe(meta: dict, timings: dict) -> list[str]:
         t = meta["tokenizer_trained_on"]
         tok += f", trained on {t['documents']:,} documents ({t['characters'] / 1e6:.1f}M characters)"
     lines.append(tok)
+    if meta.get("lone_surrogates_replaced"):
+        lines.append(
+            f"data: {meta['lone_surrogates_replaced']:,} document(s) held lone surrogates (invalid UTF-16 in JSON): "
+            "kept, with U+FFFD in their place"
+        )
     for why, names in meta.get("skipped_files", {}).items():
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5:,} more" if len(names) > 5 else "")
         lines.append(f"data: skipped {len(names):,} file(s) whole ({why.replace('_', ' ')}): {shown}")

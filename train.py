@@ -500,6 +500,12 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
         print0(
             "warning: with packing=pad each row holds one document, so the three flags change nothing", file=sys.stderr
         )
+    if cfg.max_iters <= cfg.warmup_iters:
+        print0(
+            f"warning: max_iters={cfg.max_iters} is not past warmup_iters={cfg.warmup_iters}: the learning rate never "
+            "reaches its peak or decays; give warmup_iters about a tenth of max_iters",
+            file=sys.stderr,
+        )
     run = load_data(cfg, state, rank, world_size, device, print0)
     model, optimizer = build_model(cfg, run, state, rank, world_size, device)
     start_step = state["step"] if state else 0

@@ -149,6 +149,17 @@ def check_data(out: Path, shard_path: Path) -> str:
     return digest_of(digests)
 
 
+def study_data(base: Config, out: Path, threads: int) -> tuple[Path, Shards, str]:
+    """The study's prepared data, checked against what the study recorded; the thread count fixed (0: torch's
+    default) before any run."""
+    shard_path = prepare_for(base)
+    shards = load_shards(shard_path)
+    data_digest = check_data(out, shard_path)
+    if threads:
+        torch.set_num_threads(threads)
+    return shard_path, shards, data_digest
+
+
 def run_one(cfg: Config, study: Study, decided: dict, offsets: list[int]) -> dict:
     """The run's result: read back when it finished before (check_reusable has vouched for it), else
     trained (or resumed) and probed."""
@@ -237,11 +248,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError("max_iters must be at least 1 for a study")
         out = Path(study.out_dir)
         files.check_writable_folder(out, "out_dir")  # before any work: the study ends by writing its report here
-        shard_path = prepare_for(base)
-        shards = load_shards(shard_path)
-        data_digest = check_data(out, shard_path)
-        if study.threads:
-            torch.set_num_threads(study.threads)
+        shard_path, shards, data_digest = study_data(base, out, study.threads)
         bos_id = marker_id(shards, base)
         pad_factor = pad_steps_factor(shards, base.seq_len, bos_id)
         regime = packing_regime(shards, base.seq_len, bos_id)

@@ -593,3 +593,14 @@ def test_packages_refuses_a_distribution_installed_at_another_version_than_its_p
     monkeypatch.setattr(metadata, "distribution", lambda name: Elsewhere() if name == "numpy" else real(name))
     with pytest.raises(DataError, match=r"numpy 0\.0\.1 is installed, requirements.txt pins ==\d"):
         corpora._package_modules()
+
+
+def test_documents_with_lone_surrogates_are_kept_and_counted(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    docs = make_documents(40)
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs) + '{"text": "half \\ud800 a pair"}\n')
+    lines = []
+    folder = prepare.prepare(str(corpus), str(tmp_path / "data"), SMALL, log=lines.append)
+    assert json.loads((folder / "meta.json").read_text())["lone_surrogates_replaced"] == 1
+    assert any(line.startswith("data: 1 document(s) held lone surrogates") for line in lines)
+    assert "half \ufffd a pair" in decoded_documents(folder, "train") + decoded_documents(folder, "val")

@@ -372,3 +372,26 @@ def test_a_result_file_never_replaces_a_device_a_fifo_or_a_folder(tmp_path):
     files.write_atomically(tmp_path / "result.json", "{}")  # absent, then a regular file: written, replaced
     files.write_atomically(tmp_path / "result.json", "[]")
     assert (tmp_path / "result.json").read_text() == "[]"
+
+
+def test_a_lock_refusal_names_the_process_that_wrote_its_pid_not_a_child_listed_in_proc_locks(tmp_path, monkeypatch):
+    import os
+
+    lock = tmp_path / ".lock"
+    with files.exclusive_lock(lock):
+        fd = os.open(lock, os.O_RDONLY)
+        real_read_text = Path.read_text
+
+        def proc_locks_naming_a_child(path, *args, **kwargs):  # what /proc/locks shows after a fork
+            if str(path) == "/proc/locks":
+                stat = os.fstat(fd)
+                device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+                return f"1: FLOCK  ADVISORY  WRITE 999999 {device} 0 EOF\n"
+            return real_read_text(path, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "read_text", proc_locks_naming_a_child)
+        assert files.lock_holder(fd) == str(os.getpid())
+        os.pwrite(fd_rw := os.open(lock, os.O_RDWR), b"999998", 0)  # a holder that is gone: /proc/locks decides
+        assert files.lock_holder(fd) == "999999"
+        os.close(fd_rw)
+        os.close(fd)
