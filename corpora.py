@@ -81,7 +81,9 @@ def _package_modules() -> list[Path]:
         try:
             distribution = metadata.distribution(pin.name)
         except metadata.PackageNotFoundError:
-            raise DataError(f"the packages corpora: {pin.name} is not installed; pip install -r {requirements}") from None
+            raise DataError(
+                f"the packages corpora: {pin.name} is not installed; pip install -r {requirements}"
+            ) from None
         if not pin.specifier.contains(distribution.version, prereleases=True):
             raise DataError(
                 f"the packages corpora: {pin.name} {distribution.version} is installed, {requirements.name} pins "

@@ -138,7 +138,9 @@ def check_data(out: Path, shard_path: Path) -> str:
     try:
         recorded = dict(line.split(maxsplit=1)[::-1] for line in record.read_text().splitlines() if line.strip())
     except (ValueError, UnicodeDecodeError):
-        raise data.DataError(f"{record} is damaged (not 'digest  file' lines): restore it from the study's results") from None
+        raise data.DataError(
+            f"{record} is damaged (not 'digest  file' lines): restore it from the study's results"
+        ) from None
     now = dict(line.split(maxsplit=1)[::-1] for line in lines)
     differing = sorted(name for name in recorded.keys() | now.keys() if recorded.get(name) != now.get(name))
     if differing:

@@ -15,8 +15,8 @@ import torch
 from conftest import ROOT, make_documents
 
 import corpora
-import shards
 import prepare
+import shards
 from config import Config
 from data import DataError, PackedBatches
 from shards import BOS_TEXT, EOT_TEXT, TokenStream, load_shards, load_tokenizer, start_marker_id, tiktoken_encoding
@@ -212,7 +212,8 @@ def test_packages_corpus_is_exactly_the_pinned_distributions(tmp_path):
     relative = {p.relative_to(source.root).as_posix() for p in source.files if p.is_relative_to(source.root)}
     for pinned in ("torch/__init__.py", "numpy/__init__.py", "tiktoken/core.py"):  # from requirements.txt
         assert pinned in relative
-    assert "sympy/__init__.py" not in relative  # required by torch, but unpinned: a corpus read from it could not be rebuilt
+    # torch requires sympy, but it is unpinned: a corpus read from it could not be rebuilt
+    assert "sympy/__init__.py" not in relative
     assert "pip/__init__.py" not in relative  # installed, but not pinned
     docs = list(itertools.islice(corpora.read_documents(source), 2000))
     assert len(docs) == 2000 and all(d.lstrip().startswith(("def ", "async def ", "class ", "@")) for d in docs)
@@ -574,7 +575,9 @@ def test_the_folder_name_and_content_digest_depend_on_content_not_modification_t
 
 def test_the_content_digest_is_sha256_of_each_file(tmp_path):
     folder = prepare_docs(tmp_path, make_documents(40))
-    expected = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir() if p.name != "timings.json"}
+    expected = {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir() if p.name != "timings.json"
+    }
     assert shards.content_digests(folder) == expected
     assert {"meta.json", "inputs.json", "tokenizer.tiktoken", "train_000000.bin"} <= expected.keys()
 
