@@ -237,33 +237,38 @@ def pad_rows(documents: Documents, seq_len: int) -> Rows:
 
 
 def bestfit_rows(documents: Documents, seq_len: int) -> Rows:
-    """Full chunks one to a row; every other chunk, longest first, into the open row it fills most (best fit),
-    or a new row. From the lengths in stream order only: the same data gives the same rows."""
+    """Full chunks one to a row; the last chunk of each long document opens a row of its own; every whole
+    document, longest first, into the open row it fills most (best fit), or a new row. From the lengths in
+    stream order only: the same data gives the same rows.
+
+    A last chunk starts its row, as a concat row that starts inside a document does: its first token, shared
+    with the chunk before, is then an input only. Anywhere else in a row it would be a target a second time,
+    predicted from another document's EOT."""
     start, length = document_chunks(documents, seq_len)
     capacity = seq_len + 1
     full = np.flatnonzero(length == capacity)
     rest = np.flatnonzero(length < capacity)
-    rest = rest[np.lexsort((rest, -length[rest]))]  # longest first; ties in stream order
-    row_of = best_fit_decreasing(length[rest].tolist(), capacity)
-    # in a row, the last chunk of a long document first (so it starts the row, as a concat row that starts
-    # inside a document does), then the rest in the order they were placed
     opens_document = np.isin(start[rest], documents.starts)
-    order = np.lexsort((np.arange(len(rest)), opens_document, row_of))
+    rest = rest[np.lexsort((rest, -length[rest], opens_document))]  # last chunks first; then longest first
+    row_of = best_fit_decreasing(length[rest].tolist(), capacity, alone=int((~opens_document).sum()))
+    opens_document = np.isin(start[rest], documents.starts)
+    order = np.lexsort((np.arange(len(rest)), opens_document, row_of))  # in a row: the last chunk first
     pieces = np.concatenate([full, rest[order]])
     per_row = np.concatenate([np.ones(len(full), dtype=np.int64), np.bincount(row_of)])
     return Rows(start[pieces], length[pieces], np.concatenate([[0], np.cumsum(per_row)]))
 
 
-def best_fit_decreasing(sizes: list[int], capacity: int) -> np.ndarray:
-    """The row of each item (sizes decreasing): the open row with the least room that fits it, else a new one.
-    Rows are stacked by room and a bit set (a Python int) marks the rooms some row has, so the best fit is a
-    shift and a lowest set bit: about a microsecond an item, whatever the number of rows."""
+def best_fit_decreasing(sizes: list[int], capacity: int, alone: int = 0) -> np.ndarray:
+    """The row of each item (sizes decreasing): the open row with the least room that fits it, else a new one;
+    each of the first `alone` items opens a row of its own. Rows are stacked by room and a bit set (a Python
+    int) marks the rooms some row has, so the best fit is a shift and a lowest set bit: about a microsecond an
+    item, whatever the number of rows."""
     by_room: list[list[int]] = [[] for _ in range(capacity + 1)]
     rooms_open = 0  # bit r set: some open row has exactly r slots left
     row_of = np.empty(len(sizes), dtype=np.int64)
     n_rows = 0
     for item, size in enumerate(sizes):
-        fitting = rooms_open >> size
+        fitting = rooms_open >> size if item >= alone else 0
         if fitting:
             room = size + (fitting & -fitting).bit_length() - 1
             row = by_room[room].pop()
@@ -320,6 +325,12 @@ def describe_packing(packing: str, stats: dict) -> str:
         f"{stats['tokens_with_their_document_start_in_the_row']:.1%} of tokens with their document's start in "
         f"the row, {stats['tokens_seeing_another_document_without_the_mask']:.1%} that could see another "
         "document without the mask"
+        + (
+            f"; {stats['rows_left_out_each_epoch']:,} rows left out of each epoch (its last, partial global batch; "
+            "each epoch's shuffle leaves out others)"
+            if stats.get("rows_left_out_each_epoch")
+            else ""
+        )
     )
 
 
@@ -370,7 +381,10 @@ class PackedBatches:
         return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
 
     def statistics(self) -> dict:
-        return packing_statistics(self.documents, self.rows, self.seq_len)
+        """The rows' packing statistics, and how many rows each training epoch leaves out: an epoch is whole
+        global batches, so `next` starts the next epoch before a remainder smaller than one."""
+        left_out = len(self.rows) % (self.batch_size * self.world_size) if self.shuffle else 0
+        return {**packing_statistics(self.documents, self.rows, self.seq_len), "rows_left_out_each_epoch": left_out}
 
     def batch(self, rows: np.ndarray, n_empty: int = 0) -> Batch:
         """These rows, then n_empty empty rows (all EOT inputs, no counted target)."""

@@ -1,12 +1,15 @@
 """Packing semantics (data.py), pinned down against the spec in the README, section "The three flags", and
 against references written independently of the code: token-by-token loops and a brute-force best fit."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 from conftest import reference_semantics
 
 from data import (
+    Flags,
     IGNORE_INDEX,
     PACKINGS,
     Documents,
@@ -15,6 +18,7 @@ from data import (
     best_fit_decreasing,
     boundary_loss_masked,
     concat_rows,
+    describe_packing,
     document_chunks,
     document_ids,
     packing_statistics,
@@ -233,13 +237,16 @@ def test_bestfit_predicts_every_token_of_every_document_exactly_once(bos_id, see
     inputs, targets = inputs[real], targets[real]
     # every prediction inside a document (from the token before, in the same piece) is made exactly once:
     # every token but each document's first; and no token is an input twice
-    inside = targets[targets == inputs + 1]
+    inside = targets[(targets == inputs + 1) & ~np.isin(targets, docs.starts)]  # (two pieces may be adjacent)
     assert sorted(inside.tolist()) == sorted(set(range(docs.n_tokens)) - set(docs.starts.tolist()))
     assert len(set(inputs.tolist())) == len(inputs)
     # a piece follows another only after that one's EOT: its first target is a boundary prediction, which
     # mask_boundary_loss ignores
     across = (targets >= 0) & (targets != inputs + 1)
     assert across.any() and (docs.tokens(inputs[across]) == EOT).all()
+    # and its first target opens a document: a chunk that continues one starts its row, so the token it
+    # shares with the chunk before is never a target twice, even with mask_boundary_loss off
+    assert np.isin(targets[across], docs.starts).all()
     # the tokens come out as the document stream holds them, the marker included
     by_hand = np.array(with_markers_by_hand(stream) if bos_id else stream.tolist())
     b = batches.batch(np.arange(len(rows)))
@@ -350,3 +357,39 @@ def test_the_evaluation_subset_is_the_whole_documents_that_fit_exactly():
     assert len(leading_documents(stream, EOT, 6)) == 3  # one token short: left out
     assert len(leading_documents(stream, EOT, 2)) == 3  # at least the first document
     assert len(leading_documents(stream, EOT, 0)) == len(leading_documents(stream, EOT, 99)) == 12
+
+
+def test_each_epoch_leaves_out_its_last_partial_global_batch_and_the_statistics_say_how_many():
+    eot = 9
+    stream = np.array([1, 2, eot] * 40)  # 120 tokens: 14 concat rows of 8 + 1
+    for world_size, batch_size, left_out in ((1, 4, 2), (2, 2, 2), (3, 1, 2), (1, 7, 0)):
+        batches = PackedBatches(stream, eot, 8, batch_size, world_size=world_size, seed=3)
+        assert len(batches) == 14
+        for _ in range(14 // (batch_size * world_size)):
+            batches.next()
+        assert batches.epoch == 0
+        batches.next()
+        assert (batches.epoch, batches.cursor) == (1, batch_size * world_size)  # the remainder was never served
+        stats = batches.statistics()
+        assert stats["rows_left_out_each_epoch"] == left_out
+        assert ("rows left out of each epoch" in describe_packing("concat", stats)) == (left_out > 0)
+    assert PackedBatches(stream, eot, 8, 4, shuffle=False).statistics()["rows_left_out_each_epoch"] == 0
+
+
+FLAG_NAMES = ("doc_mask", "reset_position_ids", "mask_boundary_loss")
+EVERY_FLAG_SETTING = [Flags(**dict(zip(FLAG_NAMES, on))) for on in itertools.product([True, False], repeat=3)]
+
+
+@pytest.mark.parametrize("bos_id", [None, BOS])
+@pytest.mark.parametrize("flags", EVERY_FLAG_SETTING)
+def test_no_stream_token_is_a_counted_target_twice_under_any_flags(bos_id, flags):
+    """Token by token: each counted target of every row, traced back to its place in the stream."""
+    T = 16
+    lengths = np.random.default_rng(3).integers(2, 3 * T, 60).tolist() + [T, T + 1, T + 2, 2 * T + 1]
+    stream = stream_of(lengths, 3)
+    for packing in PACKINGS:
+        batches = PackedBatches(stream, EOT, T, 4, packing, flags=flags, bos_id=bos_id, shuffle=False)
+        index, _ = batches.rows.index(np.arange(len(batches.rows)), T + 1)
+        counted = batches.batch(np.arange(len(batches.rows))).counted.numpy()
+        targets = index[:, 1:][counted]
+        assert len(np.unique(targets)) == len(targets), packing
