@@ -44,12 +44,13 @@ def exclusive_lock(path: Path, on_busy: Callable[[str], None] | None = None) -> 
 
 
 def lock_holder(fd: int) -> str:
-    """The process holding the lock on this file: the pid its holder wrote in it, while that process lives;
-    else from /proc/locks (Linux). /proc/locks can name a short-lived child that inherited the descriptor."""
-    written = os.pread(fd, 32, 0).decode(errors="replace").strip()
-    if written.isdigit() and Path(f"/proc/{written}").exists():
-        return written
+    """The process holding the lock on this file: the pid its holder wrote in it, while that process has the
+    file open; else the one /proc/locks names (Linux), else the written pid. /proc/locks can name a
+    short-lived child that inherited the descriptor, and a written pid can be an earlier holder's."""
     stat = os.fstat(fd)
+    written = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    if written.isdigit() and _has_open(int(written), stat):
+        return written
     device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
     try:
         for line in Path("/proc/locks").read_text().splitlines():
@@ -59,6 +60,22 @@ def lock_holder(fd: int) -> str:
     except OSError:
         pass
     return written or "unknown"
+
+
+def _has_open(pid: int, stat: os.stat_result) -> bool:
+    """Whether process `pid` has the file of `stat` open (False where /proc cannot tell)."""
+    try:
+        descriptors = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for descriptor in descriptors:
+        try:
+            target = descriptor.stat()
+        except OSError:
+            continue
+        if (target.st_dev, target.st_ino) == (stat.st_dev, stat.st_ino):
+            return True
+    return False
 
 
 def check_writable_folder(folder: Path, what: str) -> None:

@@ -143,7 +143,7 @@ def measure_preparation(dataset: Path, data_dir: Path, tokenizer: str = "bpe") -
     print(result["output"], flush=True)
     return {
         "seconds": result["seconds"],
-        "phases": meta["seconds"],
+        "phases": json.loads((folder / "timings.json").read_text())["seconds"],
         "peak_rss_gb": result["peak_rss_gb"],
         "tokens": tokens,
         "documents": sum(s["documents"] for s in meta["splits"].values()),
