@@ -9,10 +9,10 @@ import torch
 from conftest import reference_semantics
 
 from data import (
-    Flags,
     IGNORE_INDEX,
     PACKINGS,
     Documents,
+    Flags,
     PackedBatches,
     batch_of_rows,
     best_fit_decreasing,
