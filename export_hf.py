@@ -164,9 +164,10 @@ def merges_of(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 def hf_tokenizer(enc: tiktoken.Encoding, context: int):
     """A transformers fast tokenizer with the same vocabulary, merges and split pattern as `enc`. A run with
-    the start marker gets it as `bos_token`, added in front of every encoded text (as lm-evaluation-harness
-    and `generate` expect), so a document is scored as the run evaluated it."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    the start marker gets it as `bos_token` (else the EOT is), which the tokenizer does not add on encode:
+    lm-evaluation-harness puts `bos_token` in front of every document itself, and a tokenizer that added
+    it too would have the document scored from two (for `generate`: load it with add_bos_token=True)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     ranks = enc._mergeable_ranks  # tiktoken exposes no public accessor for the ranks
@@ -191,16 +192,12 @@ def hf_tokenizer(enc: tiktoken.Encoding, context: int):
         tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False)])
         if tokenizer.token_to_id(text) != run_id:
             raise ExportError(f"{text} would get id {tokenizer.token_to_id(text)}, the run's is {run_id}")
-    if BOS_TEXT in specials:
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{BOS_TEXT} $A",
-            pair=f"{BOS_TEXT} $A {BOS_TEXT} $B",
-            special_tokens=[(BOS_TEXT, specials[BOS_TEXT])],
-        )
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token=EOT_TEXT,
         bos_token=BOS_TEXT if BOS_TEXT in specials else EOT_TEXT,
+        add_bos_token=False,
+        add_eos_token=False,
         model_max_length=context,
         split_special_tokens=True,  # a literal "<|endoftext|>" in text is text, as the run encoded it
         clean_up_tokenization_spaces=False,
@@ -233,9 +230,11 @@ def model_card(state: dict, out_dir: Path, config: dict) -> str:
             "",
             "Each input is one document from position 0, as the model was evaluated"
             + (
-                ", after the start marker `<|bos|>`, which the tokenizer adds in front of every text (its `bos_token`)."
+                ", after the start marker `<|bos|>` (the tokenizer's `bos_token`), which lm-evaluation-harness puts "
+                "in front of each document itself; the tokenizer adds it only when loaded with add_bos_token=True."
                 if cfg.bos
-                else ", with nothing before it: the model was trained without a start marker."
+                else ", with nothing before it: the model was trained without a start marker (lm-evaluation-harness "
+                "puts the EOT in front of a document, a start the run's evaluation never used)."
             )
             + " The document mask of packed training rows is not part of this format: give one document per "
             "sequence. The tokenizer reads a literal `<|endoftext|>` or `<|bos|>` in text as text; the "
@@ -291,7 +290,8 @@ def export(out_dir: Path, to: Path, overwrite: bool = False) -> dict:
 
 def check(folder: Path, model: GPT, enc: tiktoken.Encoding, state: dict, lengths=(1, 17, None)) -> dict:
     """The exported folder reproduces the run: fp32 logits on random sequences (of these lengths, None:
-    seq_len) within LOGIT_TOLERANCE, and the tokenizer's ids equal the run's on validation documents."""
+    seq_len) within LOGIT_TOLERANCE, and the tokenizer's ids equal the run's on validation documents: the
+    text's alone by default, the document's opening (the BOS first, under the marker) with add_bos_token."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
@@ -300,6 +300,8 @@ def check(folder: Path, model: GPT, enc: tiktoken.Encoding, state: dict, lengths
     try:
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         tokenizer = AutoTokenizer.from_pretrained(folder)
+        marker = BOS_TEXT in enc.special_tokens_set  # then `generate` wants it first, as the run sampled
+        opening_tokenizer = AutoTokenizer.from_pretrained(folder, add_bos_token=True) if marker else tokenizer
     except (OSError, ValueError, KeyError, RuntimeError) as e:  # what transformers raises for a folder it cannot load
         raise ExportError(
             f"transformers cannot load the exported folder ({type(e).__name__}: {str(e)[:200]})"
@@ -318,7 +320,7 @@ def check(folder: Path, model: GPT, enc: tiktoken.Encoding, state: dict, lengths
     texts = validation_texts(state, enc)
     for text in texts:
         plain, opening = enc.encode_ordinary(text), document_opening(enc, text)
-        if tokenizer.encode(text, add_special_tokens=False) != plain or tokenizer(text)["input_ids"] != opening:
+        if tokenizer(text)["input_ids"] != plain or opening_tokenizer(text)["input_ids"] != opening:
             raise ExportError(f"the exported tokenizer encodes {text[:60]!r} differently from the run")
     return {"max_abs_logit_difference": worst, "tokenizer_texts": len(texts)}
 

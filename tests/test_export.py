@@ -89,11 +89,13 @@ def test_the_tokenizer_gives_the_runs_ids(exported, run):
     folder, _ = exported
     _, enc, state = ours(run)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    marker = BOS_TEXT in enc.special_tokens_set
+    for_generate = transformers.AutoTokenizer.from_pretrained(folder, add_bos_token=True) if marker else tokenizer
     texts = export_hf.validation_texts(state, enc) + ["x = 1\n" * 50, "   \n\n\t \u00a0 \u2028 end", "ÀÉÎ õü ß 𝔘𝔫𝔦"]
     for text in texts:
         ids = enc.encode_ordinary(text)
-        assert tokenizer.encode(text, add_special_tokens=False) == ids, text[:80]
-        assert tokenizer(text)["input_ids"] == document_opening(enc, text), text[:80]  # the BOS, when the run has it
+        assert tokenizer(text)["input_ids"] == ids, text[:80]  # by default nothing is added: lm-eval adds the BOS
+        assert for_generate(text)["input_ids"] == document_opening(enc, text), text[:80]  # the BOS, under the marker
         assert tokenizer.decode(ids) == text
     assert len(texts) > 20
     assert any(BOS_TEXT in text for text in texts) and any(EOT_TEXT in text for text in texts)  # literals stay text
@@ -114,10 +116,35 @@ def test_greedy_generation_gives_the_tokens_of_sample_py(exported, run, capsys):
     assert (BOS_TEXT in enc.special_tokens_set) == (theirs[0, 0] == enc.n_vocab - 1)  # sampling starts at the BOS
 
 
-def test_the_exports_log_likelihood_of_a_document_is_the_runs_loss_of_it_alone(exported, run):
-    """What lm-evaluation-harness and `generate` see: the tokenizer's encoding of a validation document (the
-    BOS first, when the run has the marker) and its EOT, scored by the exported model, gives the loss the
-    run's own evaluation logged for that document."""
+def lm_eval_windows(tokens: list[int], prefix: int, context: int) -> list[tuple[list[int], list[int]]]:
+    """(inputs, targets) of the windows in which lm-evaluation-harness 0.4.13 scores a document's tokens
+    with `loglikelihood_rolling` (lm_eval/utils.py get_rolling_token_windows with context_len=1, then
+    make_disjoint_window, then the causal input HFLM._loglikelihood_tokens builds), written out here: the
+    first window is `prefix` and the first `context` - 1 tokens, predicting up to `context` tokens; each
+    later one predicts the next (up to) `context` tokens from the `context` tokens just before the last of
+    them. The targets are predicted at the last len(targets) positions of a window's inputs."""
+    first = min(context, len(tokens))
+    windows = [([prefix] + tokens[: first - 1], tokens[:first])]
+    done = first
+    while done < len(tokens):
+        end = min(len(tokens), done + context)
+        windows.append((tokens[end - context - 1 : end - 1], tokens[done:end]))
+        done = end
+    return windows
+
+
+def lm_eval_context(config) -> int:
+    """The context lm-eval 0.4.13 gives a model: the first of these config fields it has (models/utils.py)."""
+    return next(getattr(config, k) for k in ("n_positions", "max_position_embeddings", "n_ctx") if hasattr(config, k))
+
+
+def test_lm_evaluation_harness_scores_a_document_as_the_run_did(exported, run):
+    """`lm_eval --model hf --model_args pretrained=EXPORT` (version 0.4.13, default settings): its rolling
+    log-likelihood encodes a document with the tokenizer's defaults and puts `bos_token` in front. Under the
+    marker that is the run's evaluation of the document alone, less the EOT target, which lm-eval does not
+    score; a document longer than the context is scored in the run's own chunks, except the last window,
+    which lm-eval fills up with earlier tokens. Without the marker lm-eval puts the EOT in front, a start
+    the run never evaluates (the README says so)."""
     folder, _ = exported
     _, enc, state = ours(run)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -127,19 +154,32 @@ def test_the_exports_log_likelihood_of_a_document_is_the_runs_loss_of_it_alone(e
     val = leading_documents(shards.val, shards.eot_id, cfg.eval_tokens)
     starts, ends = data.document_bounds(val, shards.eot_id)
     logged = [r for _, r in files.read_metrics(run / "metrics.jsonl") if "val_doc_loss" in r][-1]
-    checked = 0
+    prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    T = lm_eval_context(hf.config)
+    assert T == cfg.seq_len
+    if not cfg.bos:
+        assert prefix == enc.eot_token
+        return
+    fitting = longer = 0
     for i, (s, e) in enumerate(zip(starts, ends)):
-        ids = tokenizer(enc.decode(val[s : e - 1].tolist()))["input_ids"] + [tokenizer.eos_token_id]
-        if len(ids) > cfg.seq_len + 1:  # the run scores a longer document in chunks, the export cannot
+        text = enc.decode(val[s : e - 1].tolist())
+        windows = lm_eval_windows(tokenizer(text)["input_ids"], prefix, T)
+        row = document_opening(enc, text) + [enc.eot_token]  # the run's document alone: BOS, text, EOT
+        if len(row) > T + 1:  # the run's chunks start every T tokens; all but the last are lm-eval's windows
+            for k, (inputs, targets) in enumerate(windows[:-1]):
+                assert inputs == row[k * T : (k + 1) * T] and targets == row[k * T + 1 : (k + 1) * T + 1]
+            longer += len(windows) > 1
             continue
-        ids = torch.tensor([ids])
+        ((inputs, targets),) = windows
+        assert inputs + targets[-1:] == row[:-1]
         with torch.no_grad():
-            logits = hf(input_ids=ids[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits[0], ids[0, 1:], reduction="sum")
-        assert logged["val_doc_count_by_document"][i] == ids.shape[1] - 1
-        assert float(loss) == pytest.approx(logged["val_doc_loss_sum_by_document"][i], abs=2e-3)
-        checked += 1
-    assert checked >= 5
+            logits = hf(input_ids=torch.tensor([row[:-1]])).logits[0]
+        losses = torch.nn.functional.cross_entropy(logits, torch.tensor(row[1:]), reduction="none")
+        lm_eval_nll, eot = losses[-len(targets) - 1 : -1].sum(), losses[-1]  # lm-eval's targets; the run's last
+        assert float(lm_eval_nll + eot) == pytest.approx(logged["val_doc_loss_sum_by_document"][i], abs=2e-3)
+        assert len(targets) + 1 == logged["val_doc_count_by_document"][i]
+        fitting += 1
+    assert fitting >= 5 and longer >= 1
 
 
 @pytest.mark.parametrize("defect", ["transposed", "heads reordered"])
@@ -181,3 +221,14 @@ def test_refusals_are_one_line(run, tmp_path, capsys):
     assert export_hf.main([f"--out_dir={tmp_path / 'odd'}", f"--to={tmp_path / 'y'}"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pos_emb='alibi' has no Hugging Face mapping" in err
+
+
+@pytest.mark.parametrize("length", [1, 5, 63, 64, 65, 128, 129, 300])
+def test_the_written_out_windows_are_lm_evals_own(length):
+    """lm_eval_windows against lm-evaluation-harness itself, where it is installed (it is not a requirement)."""
+    utils = pytest.importorskip("lm_eval.utils")
+    tokens = list(range(100, 100 + length))
+    theirs = []
+    for context, targets in map(utils.make_disjoint_window, utils.get_rolling_token_windows(tokens, 7, 64, 1)):
+        theirs.append(((context + targets)[-65:][:-1], targets))  # HFLM._loglikelihood_tokens' causal input
+    assert lm_eval_windows(tokens, 7, 64) == theirs
