@@ -1,15 +1,19 @@
 """The ladder's combined report: every cell's effects at each rung, against the tokens it trained on.
 
     python -m studies.ladder configs/ladder_rung1.toml configs/ladder_rung2.toml configs/ladder_rung3.toml
+    python -m studies.ladder configs/ladder_rung{1,2,3}.toml --studies_dir=results --out_dir=results/ladder
+                                                          # the committed rungs, into the committed ladder
 
 Each rung is a study of its own (`python -m studies.ablate <config>`), decided by its own pre-registered
-family; its results.json, in the study's out_dir, holds every run. This decides each rung's family again
-from its runs, with the statistics of this code (as `python -m studies.report` does), and puts them side by
-side: ladder.md (a table per position kind, a column per rung), ladder.json (each rung's tokens, tokens a
-parameter and summary) and effects.png (each variant's effects against training tokens, with 95% intervals),
-written to --out_dir. A rung whose runs have not finished is left out, with a line saying so. Timing is not
-read: it depends on what else the machine ran. Under the marker each rung also gets a line: how far its late
-band effects move without the position an older evaluation filled from later chunks (late_band_shift).
+family; its results.json, in the study's out_dir (or in --studies_dir=DIR, under the last part of that
+out_dir's name: results/ladder_rung1 for out/ladder_rung1), holds every run. This decides each rung's family
+again from its runs, with the statistics of this code (as `python -m studies.report` does), and puts them
+side by side: ladder.md (a table per position kind, a column per rung), ladder.json (each rung's tokens,
+tokens a parameter and summary) and effects.png (each variant's effects against training tokens, with 95%
+intervals), written to --out_dir (out/ladder unless given). A rung whose runs have not finished is left out,
+with a line saying so. Timing is not read: it depends on what else the machine ran. Under the marker each
+rung also gets a line: how far its late band effects move without the position an older evaluation filled
+from later chunks (late_band_shift).
 """
 
 from __future__ import annotations
@@ -47,14 +51,17 @@ class Rung:
         return f"{Path(self.config).stem}: {self.tokens / 1e6:.2f}M tokens ({per_parameter:.1f} a parameter)"
 
 
-def read_rung(config: str) -> Rung | None:
-    """A rung from its config and its study's results.json; None when the study has not finished."""
+def read_rung(config: str, studies_dir: Path | None) -> Rung | None:
+    """A rung from its config and its study's results.json (in the study's out_dir, or in studies_dir under
+    the out_dir's last part); None when the study has not finished."""
     study, base = parse_args([config])
     if base.tokenizer != "bpe":  # a named or file tokenizer's size is known only once it is loaded
         raise ConfigError(f"{config}: tokenizer={base.tokenizer!r}; the ladder counts parameters for a 'bpe' one")
-    results = Path(study.out_dir) / "results.json"
+    folder = Path(study.out_dir) if studies_dir is None else studies_dir / Path(study.out_dir).name
+    results = folder / "results.json"
     if not results.is_file():
-        print(f"{config}: no {results} yet (run: python -m studies.ablate {config}); left out", file=sys.stderr)
+        how = f"run: python -m studies.ablate {config}, or read the committed rungs with --studies_dir=results"
+        print(f"{config}: no {results} yet ({how}); left out", file=sys.stderr)
         return None
     try:
         saved = json.loads(results.read_text())
@@ -173,20 +180,27 @@ def plot(rungs: list[Rung], out: Path) -> None:
     plt.close(fig)
 
 
+def option(argv: list[str], prefix: str) -> str | None:
+    """The value of the last argument that starts with `prefix` ("--name="), or None."""
+    values = [a.removeprefix(prefix) for a in argv if a.startswith(prefix)]
+    return values[-1] if values else None
+
+
 def main(argv: list[str]) -> int:
     if not argv or any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
         return 0 if argv else 2
-    out_dirs = [a.split("=", 1)[1] for a in argv if a.startswith("--out_dir=")]
     configs = [a for a in argv if not a.startswith("--")]
-    unknown = [a for a in argv if a.startswith("--") and not a.startswith("--out_dir=")]
+    unknown = [a for a in argv if a.startswith("--") and not a.startswith(("--out_dir=", "--studies_dir="))]
     if unknown or not configs:
         what = f"unknown argument {unknown[0]!r}" if unknown else "no rung config given"
-        print(f"error: {what}: give rung configs and --out_dir=DIR", file=sys.stderr)
+        print(f"error: {what}: give rung configs, --studies_dir=DIR and --out_dir=DIR", file=sys.stderr)
         return 2
-    out = Path(out_dirs[-1] if out_dirs else "results/ladder")
+    out = Path(option(argv, "--out_dir=") or "out/ladder")  # under out/, which git ignores: never a committed one
+    studies_dir = option(argv, "--studies_dir=")
     try:
-        rungs = [rung for rung in map(read_rung, configs) if rung is not None]
+        read = [read_rung(config, Path(studies_dir) if studies_dir else None) for config in configs]
+        rungs = [rung for rung in read if rung is not None]
         if not rungs:
             raise ConfigError("no rung has finished: nothing to report")
         rungs.sort(key=lambda rung: rung.tokens)

@@ -5,6 +5,11 @@ enough to write them again, without running anything:
     python -m studies.report out/ablate/results.json      # writes results.md and the figures beside it
     python -m studies.report RESULTS.json CONFIG.toml     # a study from before 2026-12-02, which did not record
                                                           # its training settings: they come from its config
+    python -m studies.report results/ablate_cpu/results.json configs/ablate_cpu.toml --out_dir=out/ablate_cpu
+                                                          # a committed study's report, written elsewhere
+
+Without --out_dir=DIR the report goes beside its results.json, unless git tracks a file in that folder (a
+committed study under results/): a committed report is rewritten only where --out_dir names its folder.
 """
 
 from __future__ import annotations
@@ -545,29 +550,61 @@ def report_from(saved: dict, out: Path) -> None:
     print(f"wrote {out / 'results.md'}, effects.png, loss_by_position.png, offset_probe.png{leak_figure}")
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) not in (1, 2) or any(a.startswith("-") for a in argv):
-        print(__doc__.strip())
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    path = Path(argv[0])
+def tracked_by_git(folder: Path) -> bool:
+    """Whether git tracks a file in `folder` (False outside a repository, or where git is not installed)."""
     try:
-        saved = json.loads(path.read_text())
-        missing = [k for k in ("study", "runs", "probe_offsets", "environment") if k not in saved]
-        if missing:
-            raise ConfigError(f"{path} has no {', '.join(missing)}: it was written before reports could be rebuilt")
-        if len(argv) == 2:  # the training settings from the study's config, checked against what it recorded
-            study, base = parse_args([argv[1]])
-            if changed := settings_changed(saved, study, base):
-                raise ConfigError(
-                    f"{path} was written by a study with other settings than {argv[1]} ({', '.join(changed)})"
-                )
-            saved = {**saved, "config": dataclasses.asdict(base)}
-        elif "config" not in saved:
-            raise ConfigError(
-                f"{path} does not record its training settings (studies before 2026-12-02): give the study's "
-                f"config as well, python -m studies.report {path} CONFIG.toml"
-            )
-        report_from({**saved, "rebuilt_at": code_commit()}, path.parent)
+        listed = subprocess.run(["git", "-C", str(folder), "ls-files", "--", "."], capture_output=True, text=True)
+    except OSError:
+        return False
+    return listed.returncode == 0 and bool(listed.stdout.strip())
+
+
+def output_folder(results: Path, out_dir: str | None) -> Path:
+    """Where the report goes: --out_dir, else beside its results.json, unless git tracks that folder: a
+    committed report is rewritten only when its folder is named."""
+    if out_dir is not None:
+        files.check_writable_folder(Path(out_dir), "out_dir")
+        return Path(out_dir)
+    if tracked_by_git(results.parent):
+        raise ConfigError(
+            f"{results.parent} holds files that git tracks: give --out_dir=DIR for the report "
+            f"(--out_dir={results.parent} rewrites the committed one)"
+        )
+    return results.parent
+
+
+def load_saved(path: Path, config: str | None) -> dict:
+    """A study's results.json, with its training settings (from `config` for a study that did not record
+    them, checked against the [ablate] table it recorded)."""
+    saved = json.loads(path.read_text())
+    missing = [k for k in ("study", "runs", "probe_offsets", "environment") if k not in saved]
+    if missing:
+        raise ConfigError(f"{path} has no {', '.join(missing)}: it was written before reports could be rebuilt")
+    if config is not None:
+        study, base = parse_args([config])
+        if changed := settings_changed(saved, study, base):
+            raise ConfigError(f"{path} was written by a study with other settings than {config} ({', '.join(changed)})")
+        return {**saved, "config": dataclasses.asdict(base)}
+    if "config" not in saved:
+        raise ConfigError(
+            f"{path} does not record its training settings (studies before 2026-12-02): give the study's "
+            f"config as well, python -m studies.report {path} CONFIG.toml"
+        )
+    return saved
+
+
+def main(argv: list[str]) -> int:
+    paths = [a for a in argv if not a.startswith("-")]
+    options = [a for a in argv if a.startswith("-")]
+    out_dirs = [a.removeprefix("--out_dir=") for a in options if a.startswith("--out_dir=")]
+    if len(paths) not in (1, 2) or len(out_dirs) != len(options):
+        print(__doc__.strip())
+        return 0 if {"-h", "--help"} & set(options) else 2
+    path = Path(paths[0])
+    try:
+        saved = load_saved(path, paths[1] if len(paths) == 2 else None)
+        out = output_folder(path, out_dirs[-1] if out_dirs else None)
+        report_from({**saved, "rebuilt_at": code_commit()}, out)
     except (OSError, ValueError) as e:
         print(f"error: {path} cannot be read as a study's results.json ({e})", file=sys.stderr)
         return 1

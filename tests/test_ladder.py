@@ -82,11 +82,31 @@ def test_rungs_side_by_side_by_tokens(tmp_path, capsys):
     assert (out / "effects.png").stat().st_size > 0
 
 
+def test_rungs_are_read_from_studies_dir_and_the_ladder_written_under_out(tmp_path, monkeypatch):
+    """--studies_dir=DIR reads each rung from DIR/<the last part of its out_dir> (results/ladder_rung1 for
+    out/ladder_rung1, the committed rungs); without --out_dir the ladder goes to out/ladder, which git ignores."""
+    config = rung_config(tmp_path, "rung", 150)
+    write_runs(tmp_path, "rung", no_doc_mask_runs([0.19, 0.2, 0.21]))
+    (tmp_path / "committed").mkdir()
+    (tmp_path / "rung").rename(tmp_path / "committed" / "rung")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ladder, "plot", lambda *figure_inputs: None)
+    assert ladder.main([config]) == 1  # the config's own out_dir has no results.json now
+    assert ladder.main([config, "--studies_dir=committed"]) == 0
+    assert "| no_doc_mask | early band | **hurts**" in (tmp_path / "out" / "ladder" / "ladder.md").read_text()
+
+
 def test_bad_arguments_are_one_line(tmp_path, capsys):
     assert ladder.main([rung_config(tmp_path, "a", 150), "--out=x"]) == 2
-    assert capsys.readouterr().err == "error: unknown argument '--out=x': give rung configs and --out_dir=DIR\n"
+    assert (
+        capsys.readouterr().err
+        == "error: unknown argument '--out=x': give rung configs, --studies_dir=DIR and --out_dir=DIR\n"
+    )
     assert ladder.main(["--out_dir=x"]) == 2
-    assert capsys.readouterr().err == "error: no rung config given: give rung configs and --out_dir=DIR\n"
+    assert (
+        capsys.readouterr().err
+        == "error: no rung config given: give rung configs, --studies_dir=DIR and --out_dir=DIR\n"
+    )
     assert ladder.main([str(tmp_path / "absent.toml")]) == 1
     assert capsys.readouterr().err.startswith("error: config file ")
     gpt2 = rung_config(tmp_path, "gpt2", 150)
