@@ -1,0 +1,86 @@
+"""Every committed report is what today's code writes from the committed results: a code change that alters
+one fails here until the report is rebuilt (each folder's README.md gives its command). Figures are not
+drawn (seconds each; every number they show is in the markdown or the json)."""
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+from conftest import ROOT
+
+from studies import ladder, report
+
+COMMITTED = ROOT / "results"
+# written before results.json recorded the study's settings (2026-11-30): today's code refuses to rebuild them
+FROM_BEFORE_REBUILDS = ("ablate_cpu_pilot", "import_leak_cpu")
+REBUILDABLE = sorted(
+    folder.name
+    for folder in COMMITTED.iterdir()
+    if (folder / "results.json").is_file() and folder.name not in FROM_BEFORE_REBUILDS
+)
+# the commit that last rebuilt a report: the one part of it that moves on with the code
+REBUILT_AT = re.compile(r"(rebuilt from its runs at commit )[^\n]*")
+
+
+def rebuild_command(name: str) -> list[str]:
+    """studies.report's arguments for a committed study, from the repository's root: its config too where it
+    did not record its training settings (studies before 2026-12-02; each ran configs/<its folder>.toml)."""
+    recorded = "config" in json.loads((COMMITTED / name / "results.json").read_text())
+    return [f"results/{name}/results.json", *([] if recorded else [f"configs/{name}.toml"])]
+
+
+@pytest.mark.parametrize("name", REBUILDABLE)
+def test_a_committed_report_is_what_todays_code_writes(name, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(report, "plot", lambda *figure_inputs: None)
+    assert report.main([*rebuild_command(name), f"--out_dir={tmp_path}"]) == 0, capsys.readouterr().err
+    rebuilt, committed = ((folder / "results.md").read_text() for folder in (tmp_path, COMMITTED / name))
+    command = " ".join(["python -m studies.report", *rebuild_command(name), f"--out_dir=results/{name}"])
+    assert REBUILT_AT.sub(r"\1<commit>", rebuilt) == REBUILT_AT.sub(r"\1<commit>", committed), (
+        f"results/{name}/results.md is not what today's code writes from its results.json: if the change is "
+        f"meant, rebuild it ({command}) and say what changed in its README.md"
+    )
+
+
+@pytest.mark.parametrize("name", FROM_BEFORE_REBUILDS)
+def test_a_report_from_before_rebuilds_is_refused(name, tmp_path, capsys):
+    assert report.main([str(COMMITTED / name / "results.json"), f"--out_dir={tmp_path}"]) == 1
+    assert "written before reports could be rebuilt" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_committed_ladder_is_what_todays_code_writes(tmp_path, monkeypatch, capsys):
+    """From the committed rungs, the configs it names, in the order it has them."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(ladder, "plot", lambda *figure_inputs: None)
+    configs = [rung["config"] for rung in json.loads((COMMITTED / "ladder" / "ladder.json").read_text())]
+    assert ladder.main([*configs, "--studies_dir=results", f"--out_dir={tmp_path}"]) == 0, capsys.readouterr().err
+    for name in ("ladder.md", "ladder.json"):
+        assert (tmp_path / name).read_bytes() == (COMMITTED / "ladder" / name).read_bytes(), (
+            f"results/ladder/{name} is not what today's code writes from the committed rungs: if the change is "
+            f"meant, rebuild it (python -m studies.ladder {' '.join(configs)} --studies_dir=results "
+            "--out_dir=results/ladder) and say what changed in its README.md"
+        )
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git tells which folders are committed")
+def test_a_committed_report_is_rewritten_only_where_told(tmp_path, monkeypatch, capsys):
+    """A results.json that git tracks: without --out_dir nothing is written (one error line); with its
+    folder named, the report is rebuilt there."""
+    monkeypatch.setattr(report, "plot", lambda *figure_inputs: None)
+    study = tmp_path / "study"
+    study.mkdir()
+    shutil.copy(COMMITTED / "import_leak_cpu_bos" / "results.json", study / "results.json")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "add", "study/results.json"], check=True)
+    assert report.main([str(study / "results.json")]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == (
+        f"error: {study} holds files that git tracks: give --out_dir=DIR for the report "
+        f"(--out_dir={study} rewrites the committed one)"
+    )
+    assert sorted(p.name for p in study.iterdir()) == ["results.json"]
+    assert report.main([str(study / "results.json"), f"--out_dir={study}"]) == 0
+    assert (study / "results.md").is_file()
