@@ -3,9 +3,14 @@
 file goes, settings the data contradicts, empty files among good ones, data changed under a resumed run,
 a run read while it is written, the smallest shapes, messages that name what exists, runs refused or
 failed before their first checkpoint, every way a process ends, and a damaged config.json beside a good
-checkpoint."""
+checkpoint.
 
+The tests marked slow train a model or start a process. The others guard the same promises in the fast
+tier, on checkpoints and run folders built by hand, calling the function that keeps each promise."""
+
+import dataclasses
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -28,8 +33,6 @@ import train
 from config import Config, ConfigError, parse_config
 from data import DataError
 from studies import report
-
-pytestmark = pytest.mark.slow  # every test here trains a model or starts a process
 
 
 def python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -76,6 +79,7 @@ def flip_byte_in_weights(path: Path, where: float) -> None:
     path.write_bytes(raw)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_damaged_inside_its_weights_is_refused_by_every_reader(trained, tmp_path):
     run = copy_of(trained[0], tmp_path)
     ckpt = run / "ckpt.pt"
@@ -113,9 +117,45 @@ def test_the_digest_covers_every_kind_of_content():
         assert checkpoints.content_digest(changed) != digest
 
 
+def hand_built_checkpoint(cfg: Config) -> dict:
+    """What Checkpointer.save writes, without training: one weight large enough to be the file's largest
+    member (the one flip_byte_in_weights changes), the settings of `cfg`, one process's RNG, and shards
+    that do not exist (a resumed run that got past the checks would stop there, in one line)."""
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "model": {"weight": torch.randn(64, 64, generator=generator)},
+        "optimizer": {"state": {}, "param_groups": []},
+        "config": dataclasses.asdict(cfg),
+        "model_config": {},
+        "step": 2,
+        "data": {"epoch": 0, "cursor": 0},
+        "rng": [checkpoints.rng_states()],
+        "tokenizer_sha256": "0" * 64,
+        "run_id": "hand-built",
+        "shards": "/nonexistent/shards",
+    }
+
+
+def test_a_byte_changed_in_the_weights_of_a_hand_built_checkpoint_is_refused_on_read(tmp_path):
+    """The fast tier's guard of the digest: checked on read, and over the tensors' bytes."""
+    ckpt = tmp_path / "ckpt.pt"
+    state = hand_built_checkpoint(Config())
+    checkpoints.save_checkpoint(ckpt, state)
+    assert torch.equal(checkpoints.read_checkpoint(ckpt)["model"]["weight"], state["model"]["weight"])
+    written = ckpt.read_bytes()
+    for where in (0.0, 0.5, 1.0):
+        ckpt.write_bytes(written)
+        flip_byte_in_weights(ckpt, where)
+        damaged = torch.load(ckpt, weights_only=False)  # torch reads it without a word
+        assert not torch.equal(damaged["model"]["weight"], state["model"]["weight"])
+        with pytest.raises(ConfigError, match=f"{ckpt} is damaged: its content does not match the digest"):
+            checkpoints.read_checkpoint(ckpt)
+
+
 # ---- 2. a path of the wrong kind where a run's file goes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ckpt.pt", "config.json", "metrics.jsonl"])
 def test_a_folder_where_a_run_file_belongs_is_the_same_one_line_in_every_mode(trained, tmp_path, name):
     run = copy_of(trained[0], tmp_path)
@@ -131,6 +171,7 @@ def test_a_folder_where_a_run_file_belongs_is_the_same_one_line_in_every_mode(tr
 # ---- 3. settings that the data contradicts
 
 
+@pytest.mark.slow
 def test_a_prepared_folder_decides_the_data_settings_and_a_contradicting_one_is_refused(trained, tmp_path):
     shards = Path(checkpoints.read_checkpoint(trained[0] / "ckpt.pt")["shards"])
     base = tiny_args(shards, tmp_path / "data", tmp_path / "a", max_iters=1, eval_interval=1)
@@ -147,6 +188,7 @@ def test_a_prepared_folder_decides_the_data_settings_and_a_contradicting_one_is_
 # ---- 4. empty or damaged files among good ones
 
 
+@pytest.mark.slow
 def test_empty_files_in_a_folder_are_skipped_and_named_and_a_damaged_one_is_refused(tmp_path):
     import gzip
 
@@ -172,6 +214,7 @@ def test_empty_files_in_a_folder_are_skipped_and_named_and_a_damaged_one_is_refu
 # ---- 5. the data changed under a run that resumes
 
 
+@pytest.mark.slow
 def test_a_resumed_run_trains_on_the_shards_its_checkpoint_names_or_not_at_all(tiny_corpus, tmp_path):
     corpus = tmp_path / "docs.jsonl"
     shutil.copy(tiny_corpus, corpus)
@@ -191,6 +234,7 @@ def test_a_resumed_run_trains_on_the_shards_its_checkpoint_names_or_not_at_all(t
 # ---- 6. a run read while it is written
 
 
+@pytest.mark.slow
 def test_an_export_takes_its_step_and_loss_from_the_checkpoint_it_exports(trained, tmp_path):
     run = copy_of(trained[0], tmp_path)
     state = checkpoints.read_checkpoint(run / "ckpt.pt")
@@ -205,6 +249,7 @@ def test_an_export_takes_its_step_and_loss_from_the_checkpoint_it_exports(traine
 # ---- 7. the smallest shapes train.py accepts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--bos=true", "--packing=bestfit"], ["--packing=pad", "--pos_emb=rope"]])
 def test_the_shortest_rows_train_evaluate_sample_and_export(tiny_corpus, tmp_path, extra):
     args = tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", seq_len=2, n_embd=2, n_head=1, batch_size=1)
@@ -216,6 +261,7 @@ def test_the_shortest_rows_train_evaluate_sample_and_export(tiny_corpus, tmp_pat
 # ---- 9. messages that name what exists
 
 
+@pytest.mark.slow
 def test_a_run_that_diverges_before_its_first_checkpoint_says_none_was_written(tiny_corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "accumulate_gradients", lambda *a, **k: torch.tensor(float("nan")))
     with pytest.raises(train.TrainingDiverged) as error:
@@ -223,6 +269,7 @@ def test_a_run_that_diverges_before_its_first_checkpoint_says_none_was_written(t
     assert str(error.value).endswith("no checkpoint was written") and not (tmp_path / "run" / "ckpt.pt").exists()
 
 
+@pytest.mark.slow
 def test_a_busy_folder_names_the_process_that_holds_its_lock(tmp_path):
     (tmp_path / ".lock").write_text("1")  # a pid left by an earlier holder
     holder = subprocess.Popen(
@@ -247,6 +294,7 @@ def test_a_busy_folder_names_the_process_that_holds_its_lock(tmp_path):
 # ---- 10. a run that is refused or fails changes nothing that was there
 
 
+@pytest.mark.slow
 def test_overwriting_replaces_the_old_run_only_once_the_new_one_has_a_checkpoint(trained, tmp_path, monkeypatch):
     run = copy_of(trained[0], tmp_path)
     before = contents(run)
@@ -269,6 +317,7 @@ def test_overwriting_replaces_the_old_run_only_once_the_new_one_has_a_checkpoint
     assert json.loads(after["config.json"])["run_id"] == checkpoints.read_checkpoint(run / "ckpt.pt")["run_id"]
 
 
+@pytest.mark.slow
 def test_a_folder_that_mixes_two_runs_is_refused(trained, tmp_path):
     run = copy_of(trained[0], tmp_path)
     settings = json.loads((run / "config.json").read_text())
@@ -277,9 +326,49 @@ def test_a_folder_that_mixes_two_runs_is_refused(trained, tmp_path):
         train.train(parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=6"]))
 
 
+def old_run_in(folder: Path) -> dict[str, bytes]:
+    """A finished run's files written by hand into `folder` (their content is never read here); returns them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in files.RUN_FILES:
+        (folder / name).write_bytes(f"the old run's {name}".encode())
+    return contents(folder)
+
+
+def test_a_new_run_into_a_folder_holding_a_run_is_refused_unless_asked_to_overwrite(tmp_path):
+    """The fast guard of test_reliability's test_a_fresh_run_never_replaces_a_finished_one. Its dataset is
+    missing, so a run that gets past the folder stops at its data at once, with another error."""
+    run = tmp_path / "run"
+    before = old_run_in(run)
+    args = [f"--out_dir={run}", f"--data_dir={tmp_path / 'data'}", f"--dataset={tmp_path / 'missing.jsonl'}"]
+    with pytest.raises(ConfigError, match=r"holds a run \(ckpt.pt\): continue it with --resume=true.*--overwrite=true"):
+        train.train(parse_config(args))
+    assert contents(run) == before
+    with pytest.raises(DataError):  # asked to overwrite: the folder is taken, and the run goes on to its data
+        train.train(parse_config([*args, "--overwrite=true"]))
+    assert contents(run) == before  # nothing is replaced before the new run's first checkpoint
+
+
+def test_a_replacing_run_writes_beside_the_old_one_until_its_first_checkpoint(tmp_path):
+    """The fast guard of the staging folder (test_overwriting_replaces_the_old_run_only_once_the_new_one_has_a_
+    checkpoint): RunFiles as train.fit uses it, without training."""
+    before = old_run_in(tmp_path)
+    new = {name: f"the new run's {name}".encode() for name in files.RUN_FILES}
+    with files.RunFiles(tmp_path, "new", fresh=True) as run_files:  # a run that ends before its first checkpoint
+        for name, content in new.items():
+            run_files.path(name).write_bytes(content)
+        assert contents(tmp_path) == before  # the old run stays whole while the new one writes
+    assert contents(tmp_path) == before and not (tmp_path / ".replacing").exists()
+    with files.RunFiles(tmp_path, "new", fresh=True) as run_files:
+        for name, content in new.items():
+            run_files.path(name).write_bytes(content)
+        run_files.promote()  # what Checkpointer.save does once the first checkpoint is written
+    assert contents(tmp_path) == new and not (tmp_path / ".replacing").exists()
+
+
 # ---- 11. every way a process ends
 
 
+@pytest.mark.slow
 def test_sigterm_or_sighup_during_preparation_is_one_line_and_leaves_nothing(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in make_documents(20000)))
@@ -303,6 +392,7 @@ def test_sigterm_or_sighup_during_preparation_is_one_line_and_leaves_nothing(tmp
         assert not list(data_dir.glob(".*.tmp-*")) and not list(data_dir.glob("*/meta.json"))
 
 
+@pytest.mark.slow
 def test_sighup_stops_training_like_ctrl_c(tiny_corpus, tmp_path):
     args = tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", max_iters=100000, eval_interval=100000)
     child = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -316,6 +406,7 @@ def test_sighup_stops_training_like_ctrl_c(tiny_corpus, tmp_path):
     assert f"stopped after step {step};" in out
 
 
+@pytest.mark.slow
 def test_a_result_that_cannot_be_written_is_one_line(tmp_path):
     import matplotlib
 
@@ -334,6 +425,7 @@ def test_a_result_that_cannot_be_written_is_one_line(tmp_path):
 # ---- 12. a damaged config.json beside a good checkpoint
 
 
+@pytest.mark.slow
 def test_a_damaged_config_json_beside_a_good_checkpoint_resumes_with_its_settings(trained, tmp_path, capsys):
     run = copy_of(trained[0], tmp_path)
     (run / "config.json").write_text('{"max_iters": 4, "n_embd": ')  # cut short
@@ -348,6 +440,7 @@ def test_a_damaged_config_json_beside_a_good_checkpoint_resumes_with_its_setting
         parse_config([f"--out_dir={run}", "--resume=true"])
 
 
+@pytest.mark.slow
 def test_a_config_json_that_disagrees_with_its_checkpoint_is_refused_by_the_checkpoint(trained, tmp_path):
     """The checkpoint decides: settings edited into config.json that the run cannot change are named."""
     run = copy_of(trained[0], tmp_path)
@@ -358,6 +451,46 @@ def test_a_config_json_that_disagrees_with_its_checkpoint_is_refused_by_the_chec
         train.train(cfg)
 
 
+def stopped_run(folder: Path, cfg: Config) -> Path:
+    """A run folder as a stopped run leaves it, built by hand: config.json and ckpt.pt of `cfg`, of one run
+    (the same run id in both)."""
+    folder.mkdir()
+    state = hand_built_checkpoint(dataclasses.replace(cfg, out_dir=str(folder)))
+    (folder / "config.json").write_text(json.dumps({"run_id": state["run_id"], **state["config"]}))
+    checkpoints.save_checkpoint(folder / "ckpt.pt", state)
+    return folder
+
+
+def test_the_checkpoints_settings_are_compared_when_a_run_resumes_from_it(tmp_path):
+    """The fast guard of the test above: config.json edited to another model passes parse_config, which
+    compares with config.json alone; the checkpoint's own settings refuse it."""
+    run = stopped_run(tmp_path / "run", Config(n_embd=32))
+    may_change = parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=700"])
+    assert checkpoints.load_checkpoint(run / "ckpt.pt", may_change, world_size=1)["step"] == 2
+    saved = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**saved, "n_embd": 48}))
+    cfg = parse_config([f"--out_dir={run}", "--resume=true"])
+    assert cfg.n_embd == 48
+    with pytest.raises(ConfigError, match=r"ckpt.pt with a different model or data setting \(n_embd: 32 -> 48\)$"):
+        train.train(cfg)
+
+
+def test_the_packing_cannot_change_when_a_run_resumes(tmp_path):
+    """The rows are planned from the packing, and the data position counts rows: resumed under another
+    packing, a run would go on at its cursor in other rows. Refused against config.json and, where
+    config.json was edited, against the checkpoint."""
+    run = stopped_run(tmp_path / "run", Config(packing="concat"))
+    changed = re.escape("(packing: 'concat' -> 'bestfit')")
+    with pytest.raises(ConfigError, match=rf"cannot resume {re.escape(str(run))} with other settings {changed}"):
+        parse_config([f"--out_dir={run}", "--resume=true", "--packing=bestfit"])
+    saved = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**saved, "packing": "bestfit"}))
+    cfg = parse_config([f"--out_dir={run}", "--resume=true"])
+    with pytest.raises(ConfigError, match=rf"with a different model or data setting {changed}$"):
+        checkpoints.load_checkpoint(run / "ckpt.pt", cfg, world_size=1)
+
+
+@pytest.mark.slow
 def test_a_result_file_never_replaces_a_device_a_fifo_or_a_folder(tmp_path):
     import os
 
@@ -374,6 +507,7 @@ def test_a_result_file_never_replaces_a_device_a_fifo_or_a_folder(tmp_path):
     assert (tmp_path / "result.json").read_text() == "[]"
 
 
+@pytest.mark.slow
 def test_a_lock_refusal_names_the_process_that_wrote_its_pid_not_a_child_listed_in_proc_locks(tmp_path, monkeypatch):
     import os
 

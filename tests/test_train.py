@@ -231,6 +231,34 @@ def test_with_the_start_marker_evaluation_scores_each_document_from_its_bos():
     assert result["val_doc_loss_sum_by_position"][5:] == pytest.approx(by_document[1][6:T], abs=1e-3)
 
 
+def test_a_run_with_the_start_marker_evaluates_each_document_from_its_bos(tmp_path):
+    """The fast guard of the marker in evaluation: the validation sets that load_data hands `evaluate` carry
+    the run's BOS, so each document alone has its first text token predicted (and counted) from it."""
+    import numpy as np
+    from conftest import make_documents
+
+    import prepare
+    import shards
+    from model import GPT
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in make_documents(60)))
+    folder = prepare.prepare(str(corpus), str(tmp_path / "data"), Config(tokenizer_vocab_size=300), log=print)
+    cfg = Config(dataset=str(folder), bos=True, seq_len=16, batch_size=2, eval_tokens=0, n_layer=1, n_embd=16)
+    cpu, fp32 = torch.device("cpu"), torch.autocast("cpu", enabled=False)
+    run = train.load_data(cfg, None, rank=0, world_size=1, device=cpu, log=print)
+    bos = shards.start_marker_id(shards.load_tokenizer(folder))
+    for rows in (run.val_packed, run.val_alone):  # the split's first row opens its first document
+        assert next(rows.all_batches()).inputs[0, 0] == bos
+    model = GPT(train.model_settings(cfg, run.tokenizer.n_vocab))
+    result = train.evaluate(model, model.config, run.val_packed, run.val_alone, cpu, fp32)
+    prepared = shards.load_shards(folder)
+    ends = np.flatnonzero(np.asarray(prepared.val) == prepared.eot_id)
+    # BOS, text, EOT: every text token and the EOT is a target (without the marker, the first is not)
+    assert result["val_doc_count_by_document"] == np.diff(ends, prepend=-1).tolist()
+    assert len(result["val_doc_first_token_loss_by_document"]) == len(ends)
+
+
 # ---- training runs
 
 
