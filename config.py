@@ -87,6 +87,10 @@ class Config:
     n_head: int = setting(4, "attention heads", minimum=1, decides="model")
     n_embd: int = setting(128, "model width", minimum=2, decides="model")
     dropout: float = setting(0.0, "dropout on embeddings and residual branches", minimum=0.0, decides="model")
+    bias: bool = setting(False, "biases in the attention and MLP layers, as GPT-2 has", decides="model")
+    gelu: str = setting(
+        "exact", "the MLP's GELU: 'exact', or 'tanh' (GPT-2's own)", choices=("exact", "tanh"), decides="model"
+    )
     attn_impl: str = setting(
         "auto", "'auto': FlexAttention on CUDA, SDPA elsewhere", choices=("auto", "flex", "sdpa"), decides="model"
     )

@@ -4,7 +4,8 @@
     AutoModelForCausalLM.from_pretrained("hf/quickstart"), AutoTokenizer.from_pretrained("hf/quickstart")
 
 The architecture maps exactly. With learned positions it is GPT-2's (pre-LayerNorm, exact GELU, tied
-embeddings; GPT-2's biases, which this model has none of, are written as zeros). With RoPE it is a
+embeddings; GPT-2's biases, which this model has none of by default, are written as zeros; a model with biases
+and tanh GELU, as a run started from GPT-2's weights, writes its own). With RoPE it is a
 GPT-NeoX block (LayerNorm, exact GELU, rotary over the whole head with the half-split pairing, sequential
 residual). The tokenizer becomes a `tokenizers` byte-level BPE with the run's split pattern and merges,
 EOT as the end-of-text token; like the run's encoding, it reads a literal "<|endoftext|>" in text as text.
@@ -45,6 +46,19 @@ class ExportError(Exception):
 # Weights
 
 
+LINEARS = (  # GPT-2's projections of a block, and this model's
+    ("attn.c_attn", "attn.qkv"),
+    ("attn.c_proj", "attn.proj"),
+    ("mlp.c_fc", "mlp.fc"),
+    ("mlp.c_proj", "mlp.proj"),
+)
+
+
+def bias_of(sd: dict[str, torch.Tensor], layer: str) -> torch.Tensor:
+    """A projection's bias: zeros where the model has none (GPT-2's format has a place for it)."""
+    return sd.get(f"{layer}.bias", torch.zeros(len(sd[f"{layer}.weight"])))
+
+
 def gpt2_weights(model: GPT) -> tuple[dict, dict[str, torch.Tensor]]:
     """GPT-2's config and state dict for a learned-position model. GPT-2's Conv1D layers keep their
     weights as (in, out): this model's Linear weights, transposed."""
@@ -58,7 +72,7 @@ def gpt2_weights(model: GPT) -> tuple[dict, dict[str, torch.Tensor]]:
         "n_layer": c.n_layer,
         "n_head": c.n_head,
         "n_inner": 4 * c.n_embd,
-        "activation_function": "gelu",  # exact, as F.gelu; GPT-2's own is the tanh approximation
+        "activation_function": "gelu_new" if c.gelu == "tanh" else "gelu",  # exact unless started from GPT-2
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
@@ -71,11 +85,9 @@ def gpt2_weights(model: GPT) -> tuple[dict, dict[str, torch.Tensor]]:
         for norm in ("ln_1", "ln_2"):
             weights[f"{theirs}{norm}.weight"] = sd[f"{ours}{norm}.weight"]
             weights[f"{theirs}{norm}.bias"] = sd[f"{ours}{norm}.bias"]
-        for name, source in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"), ("mlp.c_fc", "mlp.fc")):
+        for name, source in LINEARS:
             weights[f"{theirs}{name}.weight"] = sd[f"{ours}{source}.weight"].t()
-            weights[f"{theirs}{name}.bias"] = torch.zeros(sd[f"{ours}{source}.weight"].shape[0])
-        weights[f"{theirs}mlp.c_proj.weight"] = sd[f"{ours}mlp.proj.weight"].t()
-        weights[f"{theirs}mlp.c_proj.bias"] = torch.zeros(c.n_embd)
+            weights[f"{theirs}{name}.bias"] = bias_of(sd, f"{ours}{source}")
     weights["transformer.ln_f.weight"], weights["transformer.ln_f.bias"] = sd["ln_f.weight"], sd["ln_f.bias"]
     return config, weights
 
@@ -93,13 +105,13 @@ def neox_weights(model: GPT) -> tuple[dict, dict[str, torch.Tensor]]:
         "num_hidden_layers": c.n_layer,
         "num_attention_heads": c.n_head,
         "intermediate_size": 4 * c.n_embd,
-        "hidden_act": "gelu",
+        "hidden_act": "gelu_new" if c.gelu == "tanh" else "gelu",
         "max_position_embeddings": c.seq_len,
         "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_base, "partial_rotary_factor": 1.0},
         "rotary_emb_base": c.rope_base,  # the names of earlier versions of transformers
         "rotary_pct": 1.0,
         "use_parallel_residual": False,
-        "attention_bias": False,
+        "attention_bias": c.bias,
         "attention_dropout": 0.0,
         "hidden_dropout": 0.0,
         "layer_norm_eps": 1e-5,
@@ -114,10 +126,13 @@ def neox_weights(model: GPT) -> tuple[dict, dict[str, torch.Tensor]]:
             weights[f"{theirs}{name}.bias"] = sd[f"{ours}{norm}.bias"]
         weights[f"{theirs}attention.query_key_value.weight"] = sd[f"{ours}attn.qkv.weight"][head_major]
         weights[f"{theirs}attention.dense.weight"] = sd[f"{ours}attn.proj.weight"]
+        if c.bias:  # NeoX's attention has biases only with attention_bias
+            weights[f"{theirs}attention.query_key_value.bias"] = sd[f"{ours}attn.qkv.bias"][head_major]
+            weights[f"{theirs}attention.dense.bias"] = sd[f"{ours}attn.proj.bias"]
         weights[f"{theirs}mlp.dense_h_to_4h.weight"] = sd[f"{ours}mlp.fc.weight"]
-        weights[f"{theirs}mlp.dense_h_to_4h.bias"] = torch.zeros(4 * c.n_embd)
+        weights[f"{theirs}mlp.dense_h_to_4h.bias"] = bias_of(sd, f"{ours}mlp.fc")
         weights[f"{theirs}mlp.dense_4h_to_h.weight"] = sd[f"{ours}mlp.proj.weight"]
-        weights[f"{theirs}mlp.dense_4h_to_h.bias"] = torch.zeros(c.n_embd)
+        weights[f"{theirs}mlp.dense_4h_to_h.bias"] = bias_of(sd, f"{ours}mlp.proj")
     weights["gpt_neox.final_layer_norm.weight"] = sd["ln_f.weight"]
     weights["gpt_neox.final_layer_norm.bias"] = sd["ln_f.bias"]
     return config, weights

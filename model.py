@@ -28,6 +28,8 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    bias: bool = False  # biases in the attention and MLP projections, as GPT-2 has (LayerNorms always have them)
+    gelu: str = "exact"  # "exact" | "tanh", GPT-2's own approximation (`gelu_new`)
     pos_emb: str = "learned"  # "learned" | "rope"
     rope_base: float = 10000.0
     attn_impl: str = "auto"  # "auto" (flex on CUDA, sdpa elsewhere) | "flex" | "sdpa"
@@ -150,8 +152,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head, self.n_embd, self.kernel_options = config.n_head, config.n_embd, config.flex_kernel_options
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, mask: AttentionMask, rope: tuple | None) -> torch.Tensor:
@@ -170,12 +172,13 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.approximate = "tanh" if config.gelu == "tanh" else "none"
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(F.gelu(self.fc(x))))
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):
@@ -194,6 +197,8 @@ class GPT(nn.Module):
         super().__init__()
         if config.pos_emb not in ("learned", "rope"):
             raise ValueError(f"pos_emb must be 'learned' or 'rope', got {config.pos_emb!r}")
+        if config.gelu not in ("exact", "tanh"):
+            raise ValueError(f"gelu must be 'exact' or 'tanh', got {config.gelu!r}")
         if config.n_embd % config.n_head or (config.n_embd // config.n_head) % 2:
             raise ValueError(f"n_embd {config.n_embd} must split into n_head {config.n_head} heads of even size")
         self.config = config
@@ -217,6 +222,8 @@ class GPT(nn.Module):
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

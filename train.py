@@ -44,7 +44,8 @@ class TrainingDiverged(Exception):
 
 
 def model_settings(cfg: Config, vocab_size: int) -> GPTConfig:
-    same = {name: getattr(cfg, name) for name in ("seq_len", "n_layer", "n_head", "n_embd", "dropout", "pos_emb")}
+    names = ("seq_len", "n_layer", "n_head", "n_embd", "dropout", "bias", "gelu", "pos_emb")
+    same = {name: getattr(cfg, name) for name in names}
     return GPTConfig(vocab_size=math.ceil(vocab_size / 64) * 64, attn_impl=cfg.attn_impl, **same)  # 64: fast on GPU
 
 
