@@ -312,8 +312,10 @@ def saved_settings(given: Config, values: dict) -> dict:
 
 def changed_on_resume(saved: dict, cfg: Config, keys: list[str]) -> str:
     """'key: saved -> now' for each of `keys` that `cfg` changes from `saved` and a resumed run may not."""
-    changed = [k for k in keys if k not in RESUMABLE and saved.get(k) != getattr(cfg, k)]
-    return ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)
+    defaults = Config()  # a setting added after the run started: it ran as the default does
+    before = {k: saved.get(k, getattr(defaults, k, None)) for k in keys}
+    changed = [k for k in keys if k not in RESUMABLE and before[k] != getattr(cfg, k)]
+    return ", ".join(f"{k}: {before[k]!r} -> {getattr(cfg, k)!r}" for k in changed)
 
 
 def read_config_file(path: Path) -> dict:
