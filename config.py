@@ -91,6 +91,13 @@ class Config:
     gelu: str = setting(
         "exact", "the MLP's GELU: 'exact', or 'tanh' (GPT-2's own)", choices=("exact", "tanh"), decides="model"
     )
+    init_from: str = setting(
+        "",
+        "start from the weights of a Hugging Face folder (config.json, model.safetensors, tokenizer.json): OpenAI's "
+        "gpt2 or export_hf.py's export of a run; it decides the model's shape, and the run starts at step 0 with "
+        "a fresh optimizer ('': from a random init)",
+        path=True,
+    )
     attn_impl: str = setting(
         "auto", "'auto': FlexAttention on CUDA, SDPA elsewhere", choices=("auto", "flex", "sdpa"), decides="model"
     )
@@ -366,6 +373,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"min_lr={cfg.min_lr} is above lr={cfg.lr}")
     if not (cfg.dropout < 1 and cfg.beta1 < 1 and cfg.beta2 < 1):
         raise ConfigError("dropout, beta1 and beta2 must be below 1")
+    if cfg.init_from and Path(cfg.init_from).resolve() == Path(cfg.out_dir).resolve():
+        raise ConfigError(
+            f"init_from and out_dir are the same folder ({cfg.out_dir}): the run's config.json would replace the "
+            "folder's; give another out_dir"
+        )
 
 
 def help_text(usage: str, keys: tuple[str, ...] | None = None, cls: type = Config) -> str:

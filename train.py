@@ -21,6 +21,7 @@ import sys
 import time
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,6 +34,9 @@ from config import Config, Interrupted, help_text, interrupted_exit_code, parse_
 from data import Batch, DataError, Flags, PackedBatches, describe_packing
 from files import ConfigError, Progress, RunFiles, SaveFailed, hold, read_metrics, write_atomically
 from model import GPT, GPTConfig, attention_impl, attention_mask
+
+if TYPE_CHECKING:
+    from pretrained import Pretrained
 
 
 class TrainingDiverged(Exception):
@@ -370,6 +374,7 @@ def train(cfg: Config) -> dict:
     """Run training as configured; returns the last evaluation (on process 0)."""
     rank, world_size, device = setup_distributed(cfg)
     try:
+        start = pretrained_start(cfg, print if rank == 0 else (lambda *args: None))
         with ExitStack() as held:
             refused = None
             if rank == 0:  # only process 0 writes to out_dir
@@ -378,10 +383,24 @@ def train(cfg: Config) -> dict:
                 except ConfigError as e:
                     refused = e
             agree(refused)  # every process stops with process 0's error, none waits for it
-            return fit(cfg, rank, world_size, device)
+            return fit(cfg, rank, world_size, device, start)
     finally:
         if world_size > 1:
             dist.destroy_process_group()
+
+
+def pretrained_start(cfg: Config, log) -> Pretrained | None:
+    """The weights of the folder init_from names, with its model settings made the run's; read before out_dir
+    is touched, so that a folder that cannot serve is refused with nothing written (its tokenizer is compared
+    with the run's in build_model, before any run file). None when resuming: the checkpoint holds the weights
+    then (the folder may be gone)."""
+    if not cfg.init_from or cfg.resume:
+        return None
+    import pretrained  # only a run that starts from a folder needs it (and safetensors)
+
+    start = pretrained.read_pretrained(Path(cfg.init_from))
+    pretrained.adopt_settings(cfg, start, log)
+    return start
 
 
 def adopt_prepared_settings(cfg: Config, folder: Path, log=print) -> None:
@@ -473,12 +492,19 @@ def load_data(cfg: Config, state: dict | None, rank: int, world_size: int, devic
     return RunData(shard_path, eot_id, tokenizer, train_rows, val_packed, val_alone, len(val))
 
 
-def build_model(cfg: Config, run: RunData, state: dict | None, rank: int, world_size: int, device):
-    """The model and its optimizer, from the checkpoint when resuming (with the data position and RNG)."""
+def build_model(
+    cfg: Config, run: RunData, state: dict | None, rank: int, world_size: int, device, start: Pretrained | None = None
+):
+    """The model and its optimizer, from the checkpoint when resuming (with the data position and RNG), or
+    with the weights of a pretrained folder (`start`) and a fresh optimizer."""
     torch.manual_seed(cfg.seed)
     model_config = model_settings(cfg, run.tokenizer.n_vocab)
+    if state is not None or start is not None:  # a run from a folder has its rows, not a multiple of 64
+        model_config.vocab_size = state["model_config"]["vocab_size"] if state else start.vocab_size(run.tokenizer)
     check_fits(model_config, cfg.batch_size, device)
     model = GPT(model_config).to(device)
+    if start is not None:
+        start.load_into(model, run.tokenizer)
     if world_size > 1:
         torch.manual_seed(cfg.seed + rank)  # the same init everywhere, different dropout masks per process
     optimizer = make_optimizer(model, cfg, device)
@@ -490,9 +516,9 @@ def build_model(cfg: Config, run: RunData, state: dict | None, rank: int, world_
     return model, optimizer
 
 
-def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
-    """The run on this process: data, model and optimizer (from the checkpoint when resuming), the run's
-    files, the loop, a sample."""
+def fit(cfg: Config, rank: int, world_size: int, device: torch.device, start: Pretrained | None = None) -> dict:
+    """The run on this process: data, model and optimizer (from the checkpoint when resuming, or from the
+    weights of a pretrained folder), the run's files, the loop, a sample."""
     main_process = rank == 0  # the only one that prints, logs, evaluates and writes checkpoints
     print0 = print if main_process else (lambda *args, **kwargs: None)
     out_dir = Path(cfg.out_dir)
@@ -508,7 +534,7 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device) -> dict:
             file=sys.stderr,
         )
     run = load_data(cfg, state, rank, world_size, device, print0)
-    model, optimizer = build_model(cfg, run, state, rank, world_size, device)
+    model, optimizer = build_model(cfg, run, state, rank, world_size, device, start)
     start_step = state["step"] if state else 0
 
     run_id = (state or {}).get("run_id") or secrets.token_hex(8)

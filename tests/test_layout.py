@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT
 
 TRAINING_SIDE = ("train", "model", "data", "shards", "checkpoints", "files", "config")  # what trains a prepared folder
-CORE = (*TRAINING_SIDE, "corpora", "prepare", "sample", "export_hf")
+CORE = (*TRAINING_SIDE, "corpora", "prepare", "sample", "export_hf", "pretrained")
 
 
 def repo_modules() -> dict[str, object]:
