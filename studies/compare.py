@@ -1,4 +1,4 @@
-"""Does packing care matter on your data? One command, about 15 minutes on a 2-core CPU:
+"""Does packing care matter on your data? One command, minutes on a 2-core CPU:
 
     python -m studies.compare --dataset=stdlib              # the built-in corpus
     python -m studies.compare --dataset=my_corpus/          # any dataset train.py accepts
@@ -170,7 +170,7 @@ def longer_run_hint(extent: dict) -> str:
     factor = math.ceil(WELL_TRAINED_TOKENS_PER_PARAMETER / max(extent["tokens_per_parameter"], 1e-9))
     return (
         f"to decide smaller effects, train at least {factor}x longer (e.g. --max_iters=4500 --warmup_iters=300: "
-        "about 2 hours on a 2-core CPU; 9.2M tokens, 18 tokens a parameter), or on one GPU: "
+        "9.2M tokens a run, the ladder's longest), or on one GPU: "
         f"python -m studies.compare configs/compare_gpu.toml --dataset=... (untested until a GPU run exists)"
     )
 
