@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from config import Config, changed_on_resume
 from data import DataError
-from files import ConfigError, RunFiles, replace_atomically
+from files import ConfigError, RunFiles, replace_atomically, shell_command
 from model import GPT, GPTConfig
 from shards import BOS_TEXT, load_shards
 
@@ -63,7 +63,9 @@ def read_checkpoint(path: Path) -> dict:
     if path.exists() and not path.is_file():
         raise ConfigError(f"{path} is not a file, where the run's checkpoint belongs: move it away")
     if not path.is_file():
-        raise ConfigError(f"{path} not found; train first with: python train.py --out_dir={path.parent}")
+        raise ConfigError(
+            f"{path} not found; train first with: {shell_command('python', 'train.py', f'--out_dir={path.parent}')}"
+        )
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # a truncated or foreign file fails in many ways inside torch and pickle

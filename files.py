@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -112,6 +113,12 @@ def replace_atomically(
 
 def write_atomically(path: Path, text: str) -> None:
     replace_atomically(path, lambda tmp: tmp.write_text(text))
+
+
+def shell_command(*words: str) -> str:
+    """A command to print as a hint: each word quoted where the shell would change it (a glob, a space), so
+    that it is safe to paste."""
+    return " ".join(shlex.quote(word) for word in words)
 
 
 def format_duration(seconds: float) -> str:

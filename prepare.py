@@ -36,7 +36,7 @@ import tiktoken
 from config import DATA_SETTINGS, Config
 from corpora import Source, describe_changes, file_kind, fingerprint, label, read_documents, resolve_dataset
 from data import DataError
-from files import ConfigError, Progress, check_writable_folder, exclusive_lock
+from files import ConfigError, Progress, check_writable_folder, exclusive_lock, shell_command
 from shards import (
     EOT_TEXT,
     SHARD_FORMAT_VERSION,
@@ -587,12 +587,11 @@ def main(argv: list[str]) -> int:
         print("  " + line.removeprefix("data: "))
     print(f"  content digest {digest_of(digests)} (sha256 of its {len(digests)} files, timings.json aside)")
     defaults = Config()
-    deciding = "".join(
-        f" --{key}={getattr(cfg, key)}" for key in DATA_KEYS[1:] if getattr(cfg, key) != getattr(defaults, key)
-    )
+    # quoted to paste: a dataset given as a glob ('fineweb/*.parquet') would otherwise be expanded by the shell
+    deciding = [f"--{key}={getattr(cfg, key)}" for key in DATA_KEYS[1:] if getattr(cfg, key) != getattr(defaults, key)]
     print(
-        f"train on it with --dataset={cfg.dataset}{deciding} "
-        f"(or --dataset={path}, e.g. after copying {cfg.data_dir}/ elsewhere)"
+        f"train on it with {shell_command(f'--dataset={cfg.dataset}', *deciding)} "
+        f"(or {shell_command(f'--dataset={path}')}, e.g. after copying {cfg.data_dir}/ elsewhere)"
     )
     return 0
 

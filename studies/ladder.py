@@ -60,7 +60,8 @@ def read_rung(config: str, studies_dir: Path | None) -> Rung | None:
     folder = Path(study.out_dir) if studies_dir is None else studies_dir / Path(study.out_dir).name
     results = folder / "results.json"
     if not results.is_file():
-        how = f"run: python -m studies.ablate {config}, or read the committed rungs with --studies_dir=results"
+        run = files.shell_command("python", "-m", "studies.ablate", config)
+        how = f"run: {run}, or read the committed rungs with --studies_dir=results"
         print(f"{config}: no {results} yet ({how}); left out", file=sys.stderr)
         return None
     try:

@@ -588,7 +588,7 @@ def load_saved(path: Path, config: str | None) -> dict:
     if "config" not in saved:
         raise ConfigError(
             f"{path} does not record its training settings (studies before 2026-12-02): give the study's "
-            f"config as well, python -m studies.report {path} CONFIG.toml"
+            f"config as well: {files.shell_command('python', '-m', 'studies.report', str(path))} CONFIG.toml"
         )
     return saved
 

@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import tiktoken
 import torch
 from conftest import ROOT, make_documents, rewrite_checkpoint, tiny_args
 
+import checkpoints
 import corpora
 import files
 import prepare
@@ -517,3 +519,30 @@ def test_a_run_that_ends_before_its_warmup_does_says_so(tiny_corpus, tmp_path, c
     assert "warning: max_iters=2 is not past warmup_iters=2" in capsys.readouterr().err
     train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "p", warmup_iters=1, **args)))
     assert "warmup_iters" not in capsys.readouterr().err
+
+
+# ---- hints to paste: a command in a message is quoted where the shell would change it
+
+
+def test_commands_in_hints_paste_as_they_were_meant():
+    words = ["python", "prepare.py", "--dataset=fineweb/*.parquet", "--out_dir=my run", "--x=$HOME"]
+    command = files.shell_command(*words)
+    assert shlex.split(command) == words and "'--dataset=fineweb/*.parquet'" in command
+    assert files.shell_command("python", "train.py", "--out_dir=out") == "python train.py --out_dir=out"
+
+
+def test_prepare_quotes_a_glob_in_its_train_hint(tiny_corpus, tmp_path, capsys):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.jsonl").write_bytes(tiny_corpus.read_bytes())
+    glob = str(tmp_path / "corpus" / "*.jsonl")
+    assert prepare.main([glob, f"--data_dir={tmp_path / 'data'}", "--tokenizer_vocab_size=300"]) == 0
+    (hint,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train on it with ")]
+    pasted = hint.removeprefix("train on it with ").split(" (or ")[0]
+    assert f"'--dataset={glob}'" in pasted  # quoted: the shell leaves the glob to the script
+    assert shlex.split(pasted) == [f"--dataset={glob}", f"--data_dir={tmp_path / 'data'}", "--tokenizer_vocab_size=300"]
+
+
+def test_a_missing_checkpoint_hint_pastes(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        checkpoints.read_checkpoint(tmp_path / "my run" / "ckpt.pt")
+    assert shlex.split(str(error.value).split("train first with: ")[1])[-1] == f"--out_dir={tmp_path / 'my run'}"
