@@ -195,7 +195,7 @@ def bench_training_step(
 ) -> dict:
     """`kernel_options`: this step's FlexAttention kernel_options (None: PyTorch's defaults)."""
     if variant == "varlen":
-        return {"skipped": "attention only"}
+        return {"skipped": "varlen times the attention call alone"}
     flex, reference = variant.startswith("flex"), variant.startswith("reference_causal")
     if flex and device.type != "cuda":
         return {"skipped": "FlexAttention has no backward on CPU"}
@@ -259,7 +259,7 @@ def bench_attention(
     """The attention call alone, forward (and backward where the device has one). `kernel_options`: the
     FlexAttention variants' (None: PyTorch's defaults)."""
     if variant.startswith("reference_causal"):
-        return {}  # the same call as sdpa_causal
+        return {"attention_skipped": "the same call as sdpa_causal"}
     B, T = doc_ids.shape
     H, D = config.n_head, config.n_embd // config.n_head
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -267,7 +267,7 @@ def bench_attention(
     q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dtype, requires_grad=backward) for _ in range(3))
     if variant == "varlen":
         if not has_varlen():
-            return {"skipped": "needs CUDA and torch.nn.attention.varlen"}
+            return {"attention_skipped": "varlen needs CUDA and torch.nn.attention.varlen"}
         from torch.nn.attention.varlen import varlen_attn
 
         lengths = torch.cat([torch.unique_consecutive(row, return_counts=True)[1] for row in doc_ids.cpu()])
@@ -433,7 +433,11 @@ def run_all(args, report, out, seq_lens, variants, layouts, pos_embs, option_set
                         if flex:
                             row["kernel_options"] = options
                         try:
-                            if not args.attention_only and options in (None, option_sets[0]):
+                            if args.attention_only:
+                                row["skipped"] = "--attention_only=true"
+                            elif options not in (None, option_sets[0]):
+                                row["skipped"] = "the step runs with the first kernel_options only"
+                            else:
                                 timing = bench_training_step(
                                     variant, config, doc_ids, device, args.steps, args.warmup, options
                                 )
@@ -478,7 +482,7 @@ def format_table(results: list[dict], n_layer: int) -> str:
 
     header = ["T", "layout", "docs/row", "pos", "variant", "step ms", "tokens/s", "MFU", "MFU doc"]
     header += ["vs fastest reference", "vs sdpa_causal", "step ideal", "attn fwd+bwd ms", "attn ideal", "mask ms"]
-    header += ["peak GB", "kernel options"]
+    header += ["peak GB", "kernel options", "why '-'"]
     table = []
     for row in results:
         references = [r for r in (same(row, "reference_causal"), same(row, "reference_causal_cudnn")) if r]
@@ -512,12 +516,42 @@ def format_table(results: list[dict], n_layer: int) -> str:
                 f"{row['ideal_doc_mask_speedup']:.1f}x",
                 cell(row, "block_mask_ms", ".2f"),
                 cell(row, "peak_memory_gb", ".1f"),
-                (json.dumps(options) if options is not None else "-")
-                + (f" error: {row['error']}" if "error" in row else ""),
+                json.dumps(options) if options is not None else "-",
+                "; ".join(empty_cell_reasons(row, reference, causal)),
             ]
         )
     lines = markdown_table(header, table)
+    dashed = [column for column in COLUMN_NOTES if any(r[header.index(column)] == "-" for r in table)]
+    if dashed:
+        notes = "; ".join(f"{column}: {COLUMN_NOTES[column]}" for column in dashed)
+        lines += ["", f"'-' where the last column does not say why: {notes}"]
     return "\n".join(lines)
+
+
+# why a column shows '-' in rows that the last column does not explain
+COLUMN_NOTES = {
+    "step ideal": "flex_doc rows only, against a timed sdpa_causal",
+    "mask ms": "the BlockMask build, FlexAttention rows whose step ran",
+    "peak GB": "measured on CUDA only, in the training step",
+    "kernel options": "PyTorch's defaults, or not a FlexAttention row",
+}
+
+
+def empty_cell_reasons(row: dict, reference: dict | None, causal: dict | None) -> list[str]:
+    """Why this row's step, comparison and attention cells are '-' (COLUMN_NOTES: the other columns')."""
+    if "error" in row:
+        return [f"error: {row['error']}"]
+    reasons = []
+    if "step_ms" not in row:
+        reasons.append(f"step: {row.get('skipped', 'not timed')}")
+    else:
+        if reference is None:
+            reasons.append("vs reference: no reference_causal step timed at this size and layout")
+        if causal is None:
+            reasons.append("vs sdpa_causal: no sdpa_causal step timed at this size, layout and pos")
+    if "attention_ms" not in row:
+        reasons.append(f"attention: {row.get('attention_skipped', 'not timed')}")
+    return reasons
 
 
 if __name__ == "__main__":

@@ -229,3 +229,37 @@ def test_bench_records_a_failing_variant_and_goes_on(tmp_path, monkeypatch):
     assert failed["error"] == "RuntimeError: out of memory" and "step_ms" not in failed
     assert other["variant"] == "sdpa_causal" and other["step_ms"] > 0
     assert written == [0, 1, 2]  # written before the first row (can it be?), then rewritten after every row
+
+
+def test_every_empty_benchmark_cell_says_why():
+    from studies import bench
+
+    common = {"seq_len": 64, "batch_size": 2, "layout": "synthetic", "docs_per_row": 1.0, "ideal_doc_mask_speedup": 1.0}
+    timed = {"step_ms": 2.0, "tokens_per_sec": 64.0, "mfu": 0.1, "mfu_doc": 0.1}
+    rows = [  # as a CPU run records them
+        {"variant": "reference_causal", "pos_emb": "learned", **timed, "attention_skipped": "same call"},
+        {
+            "variant": "reference_causal_cudnn",
+            "pos_emb": "learned",
+            "skipped": "needs CUDA",
+            "attention_skipped": "same call",
+        },
+        {"variant": "flex_doc", "pos_emb": "rope", "kernel_options": None, "skipped": "no backward"},
+        {"variant": "sdpa_causal", "pos_emb": "rope", **timed, "attention_ms": 1.0, "backward": True},
+        {"variant": "sdpa_doc", "pos_emb": "rope", "error": "RuntimeError: out of memory"},
+        {"variant": "varlen", "pos_emb": "rope", "skipped": "alone", "attention_skipped": "needs CUDA"},
+    ]
+    lines = bench.format_table([{**common, **row} for row in rows], n_layer=2).splitlines()
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    legend = lines[-1]
+    # a cell's reason is in its row's last column, by what it belongs to, or in the legend under the table
+    belongs = dict.fromkeys(["step ms", "tokens/s", "MFU", "MFU doc"], ("step",))
+    belongs |= {"vs fastest reference": ("step", "vs reference"), "vs sdpa_causal": ("step", "vs sdpa_causal")}
+    belongs["attn fwd+bwd ms"] = ("attention",)
+    for line in lines[2 : 2 + len(rows)]:
+        cells = dict(zip(header, (cell.strip() for cell in line.strip("|").split("|"))))
+        reasons = {reason.split(": ")[0] for reason in cells["why '-'"].split("; ") if reason}
+        for column in (column for column, value in cells.items() if value == "-"):
+            explained = f"{column}: " in legend or "error" in reasons or reasons & set(belongs.get(column, ()))
+            assert explained, (cells["variant"], column, cells["why '-'"])
+    assert "step: needs CUDA" in lines[3] and "attention: same call" in lines[3]
