@@ -577,10 +577,7 @@ def loop(cfg, run: RunData, model, optimizer, start_step: int, log: MetricsLog, 
     # Three handles on one set of weights: `model` is saved, clipped and sampled from; `fast_model` (compiled
     # when asked) evaluates; `training_model` trains, wrapped under torchrun to average gradients.
     fast_model = torch.compile(model) if cfg.compile else model
-    training_model = fast_model
-    if world_size > 1:
-        ddp_devices = [device.index] if device.type == "cuda" else None
-        training_model = DistributedDataParallel(fast_model, device_ids=ddp_devices, broadcast_buffers=False)
+    training_model = data_parallel(fast_model, device) if world_size > 1 else fast_model
     precision = autocast(device, cfg.dtype)
     ckpt_path = Path(cfg.out_dir) / "ckpt.pt"
     kept = f"the checkpoint of step {start_step} is kept in {ckpt_path}" if start_step else "no checkpoint was written"
@@ -630,6 +627,13 @@ def loop(cfg, run: RunData, model, optimizer, start_step: int, log: MetricsLog, 
                     )
                 return result
     return result
+
+
+def data_parallel(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+    """The model wrapped to average gradients over the processes. Its only buffers (RoPE's tables) are the
+    same on every process, so they need no sync at each forward."""
+    ddp_devices = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ddp_devices, forward_sync_buffers=False)
 
 
 def main(argv: list[str]) -> int:

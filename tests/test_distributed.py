@@ -49,6 +49,8 @@ def test_two_processes_match_one_with_doubled_accumulation(tiny_corpus, tmp_path
     )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     assert "2 processes" in ddp.stdout and ddp.stdout.count("model:") == 1  # only process 0 prints
+    ours = [line for line in ddp.stderr.splitlines() if "Warning:" in line and str(ROOT) in line]
+    assert not ours, ours  # no deprecated call of ours (torch's own warnings are torch's)
     expected, got = losses(one), losses(two)
     assert [r[0] for r in got] == [r[0] for r in expected]
     for e, g in zip(expected, got):

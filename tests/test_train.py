@@ -388,3 +388,24 @@ def test_wandb_logs_offline(tiny_corpus, tmp_path):
     assert "warning: wandb" not in result.stderr
     runs = list((tmp_path / "wb").rglob("offline-run-*"))
     assert runs and any(p.suffix == ".wandb" and p.stat().st_size > 0 for p in runs[0].rglob("*"))
+
+
+def test_the_data_parallel_wrapper_makes_no_deprecated_call(tmp_path):
+    import warnings
+
+    import torch.distributed as dist
+
+    from model import GPT, GPTConfig
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs gloo")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            warnings.simplefilter("error", FutureWarning)
+            model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_embd=16, pos_emb="rope"))
+            wrapped = train.data_parallel(model, torch.device("cpu"))
+        assert not wrapped.forward_sync_buffers  # RoPE's tables are the same on every process
+    finally:
+        dist.destroy_process_group()
