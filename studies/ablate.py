@@ -266,22 +266,7 @@ def main(argv: list[str]) -> int:
             decided = decided_by(cfg, study, offsets, shard_path.name, data_digest)
             check_reusable(Path(cfg.out_dir), decided)  # every run before the first trains
             planned.append((pos, variant, seed, cfg, decided))
-        runs: dict = {pos: {v: {} for v in study.variants} for pos in study.pos_embs}
-        to_train = sum(1 for *_, cfg, _ in planned if not (Path(cfg.out_dir) / "result.json").exists())
-        progress = files.Progress(
-            to_train, lambda p: f"=== study: {p.done:.0f}/{p.total:.0f} runs trained, ETA {p.eta()}"
-        )
-        for i, (pos, variant, seed, cfg, decided) in enumerate(planned):
-            fresh = not (Path(cfg.out_dir) / "result.json").exists()
-            print(
-                f"\n=== run {i + 1}/{len(planned)}: pos_emb={pos} {variant} seed={seed}"
-                + ("" if fresh else " (finished before: skipped)"),
-                flush=True,
-            )
-            runs[pos][variant][seed] = run_one(cfg, study, decided, offsets)
-            if fresh:
-                progress.advance(1)
-                print(progress.show(progress), flush=True)
+        runs = train_planned(planned, study, offsets)
         write_report(runs, study, offsets, base, regime, pad_factor, out, environment())
     except StudyStopped as e:
         print(e)
@@ -293,6 +278,29 @@ def main(argv: list[str]) -> int:
         print("\ninterrupted: run the same command to continue the study", file=sys.stderr)
         return interrupted_exit_code(e)
     return 0
+
+
+def train_planned(planned: list[tuple], study: Study, offsets: list[int]) -> dict:
+    """Every planned run's result, by position kind, variant and seed: trained, or read back when it finished
+    before. A line after each run trained gives the study's progress and ETA."""
+    runs: dict = {pos: {v: {} for v in study.variants} for pos in study.pos_embs}
+    to_train = sum(1 for *_, cfg, _ in planned if not (Path(cfg.out_dir) / "result.json").exists())
+    # printed here once after every run, so the Progress itself prints nothing: it only keeps the ETA
+    progress = files.Progress(
+        to_train, lambda p: f"=== study: {p.done:.0f}/{p.total:.0f} runs trained, ETA {p.eta()}", lambda line: None
+    )
+    for i, (pos, variant, seed, cfg, decided) in enumerate(planned):
+        fresh = not (Path(cfg.out_dir) / "result.json").exists()
+        print(
+            f"\n=== run {i + 1}/{len(planned)}: pos_emb={pos} {variant} seed={seed}"
+            + ("" if fresh else " (finished before: skipped)"),
+            flush=True,
+        )
+        runs[pos][variant][seed] = run_one(cfg, study, decided, offsets)
+        if fresh:
+            progress.advance(1)
+            print(progress.show(progress), flush=True)
+    return runs
 
 
 if __name__ == "__main__":

@@ -572,3 +572,16 @@ def test_a_study_records_its_data_and_names_the_files_that_differ_at_a_later_sta
     (prepared / "train_000000.bin").write_bytes(b"\x01\x03")
     with pytest.raises(DataError, match=r"differ .*: corpus-bpe300-0123abcd/train_000000.bin; prepare"):
         check_data(out, prepared)
+
+
+def test_a_study_prints_its_progress_line_once_after_each_run_trained(tmp_path, capsys, monkeypatch):
+    planned = [("learned", "reference", seed, Config(out_dir=str(tmp_path / f"seed{seed}")), {}) for seed in range(3)]
+    (tmp_path / "seed1").mkdir()
+    (tmp_path / "seed1" / "result.json").write_text("{}")  # finished before: skipped, not counted
+    clock = iter(range(0, 10**6, 60))  # a minute between any two looks at the clock: any rate limit is past
+    monkeypatch.setattr(files.time, "time", lambda: next(clock))
+    monkeypatch.setattr(ablate, "run_one", lambda cfg, study, decided, offsets: {"val_doc_loss": 1.0})
+    runs = ablate.train_planned(planned, plan.Study(variants=["reference"], pos_embs=["learned"]), [1])
+    progress = [line.split(", ETA")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("=== study")]
+    assert progress == ["=== study: 1/2 runs trained", "=== study: 2/2 runs trained"]  # once each, piped or not
+    assert sorted(runs["learned"]["reference"]) == [0, 1, 2]
