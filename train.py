@@ -5,7 +5,9 @@
     python train.py --doc_mask=false --max_iters=100  # any field of config.Config as --key=value (--help)
 
 Writes out_dir/config.json, metrics.jsonl and ckpt.pt. The recipe, top to bottom: model, optimizer, loss,
-evaluation, several processes, the metrics log, then the run in its steps: data, model, the loop, a sample.
+evaluation, several processes, the metrics log, then the run in its steps: data, model, the loop, a sample,
+and the summary it ends with. A stop signal (Ctrl-C, SIGTERM, SIGHUP) finishes the step, saves the checkpoint
+and exits with 128 + its number: the run is unfinished.
 """
 
 from __future__ import annotations
@@ -32,7 +34,17 @@ import checkpoints
 import shards
 from config import Config, Interrupted, help_text, interrupted_exit_code, parse_config, resolve_device, run_main
 from data import Batch, DataError, Flags, PackedBatches, describe_packing
-from files import ConfigError, Progress, RunFiles, SaveFailed, hold, read_metrics, write_atomically
+from files import (
+    ConfigError,
+    Progress,
+    RunFiles,
+    SaveFailed,
+    format_duration,
+    hold,
+    read_metrics,
+    shell_command,
+    write_atomically,
+)
 from model import GPT, GPTConfig, attention_impl, attention_mask
 
 if TYPE_CHECKING:
@@ -250,11 +262,22 @@ def agree(error: Exception | None) -> None:
             raise {"DataError": DataError}.get(found[0], ConfigError)(found[1])
 
 
+class Stopped(Interrupted):
+    """A stop signal the run obeyed: it finished the step in flight and saved its checkpoint, unfinished. Exit
+    128 + the signal's number, as for any interrupt, so that `python train.py && python export_hf.py ...` does
+    not export a run that did not finish."""
+
+    def __init__(self, signum: int, step: int, out_dir: str) -> None:
+        super().__init__(signum)
+        self.step, self.out_dir = step, out_dir
+
+
 class StopRequest:
-    """Ctrl-C, SIGTERM or SIGHUP: finish the step in flight, checkpoint, exit 0; a second one stops at once."""
+    """Ctrl-C, SIGTERM or SIGHUP: finish the step in flight, checkpoint, raise Stopped; a second one stops at
+    once."""
 
     def __init__(self) -> None:
-        self.requested = False
+        self.signum = 0  # the stop signal received, 0 while none
 
     def __enter__(self) -> StopRequest:
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
@@ -265,20 +288,21 @@ class StopRequest:
             signal.signal(s, handler)
 
     def _handle(self, signum, frame) -> None:
-        if self.requested:  # a second one stops at once
+        if self.signum:  # a second one stops at once
             raise Interrupted(signum)
-        self.requested = True
+        self.signum = signum
         print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint", flush=True)
 
-    def agreed(self, step: int, every: int, device: torch.device) -> bool:
-        """Stop after this step? Under DDP the processes agree every `every` steps, so none is left waiting."""
+    def agreed(self, step: int, every: int, device: torch.device) -> int:
+        """The signal to stop on after this step (0: go on). Under DDP the processes agree every `every` steps,
+        so none is left waiting, and all stop on the same signal (the largest number any received)."""
         if not dist.is_initialized():
-            return self.requested
+            return self.signum
         if step % every:
-            return False
-        flag = torch.tensor(float(self.requested), device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            return 0
+        signum = torch.tensor(float(self.signum), device=device)
+        dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+        return int(signum.item())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -565,8 +589,7 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device, start: Pr
         prompt = torch.tensor([shards.document_opening(run.tokenizer, cfg.sample_prompt)], device=device)
         with autocast(device, cfg.dtype):
             out = model.eval().generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50, stop_token=run.eot_id)
-        print0(f"\nfinal val_doc_loss {result['val_doc_loss']:.4f} (val_loss {result['val_loss']:.4f})")
-        print0(f"sample:\n{shards.decoded(run.tokenizer, out[0].tolist())}")
+        print0(f"\nsample:\n{shards.decoded(run.tokenizer, out[0].tolist())}")
     return result
 
 
@@ -621,11 +644,7 @@ def loop(cfg, run: RunData, model, optimizer, start_step: int, log: MetricsLog, 
                 log.evaluated(result, time.time() - t_eval)
             if stopping and not last:
                 saver.save(step, model, optimizer, run.train, result)
-                if main_process:
-                    print(
-                        f"stopped after step {step}; resume with: python train.py --out_dir={cfg.out_dir} --resume=true"
-                    )
-                return result
+                raise Stopped(stopping, step, cfg.out_dir)
     return result
 
 
@@ -636,11 +655,62 @@ def data_parallel(model: torch.nn.Module, device: torch.device) -> DistributedDa
     return DistributedDataParallel(model, device_ids=ddp_devices, forward_sync_buffers=False)
 
 
+# ----------------------------------------------------------------------------------------------
+# The end of a run
+
+
+def train_command(cfg: Config, world_size: int, *settings: str) -> str:
+    """The command that resumes the run in cfg.out_dir, as many processes as wrote it, quoted to paste."""
+    launcher = ["python"] if world_size == 1 else ["torchrun", f"--nproc_per_node={world_size}"]
+    return shell_command(*launcher, "train.py", f"--out_dir={cfg.out_dir}", "--resume=true", *settings)
+
+
+def run_summary(cfg: Config, seconds: float, world_size: int = 1, stopped_after: int | None = None) -> str:
+    """The lines every run ends with: the losses of its last evaluation (the last one metrics.jsonl holds),
+    the wall time, the checkpoint and the commands that come next; a stopped run's only one is its resume."""
+    out_dir = Path(cfg.out_dir)
+    try:
+        records = [record for _, record in read_metrics(out_dir / "metrics.jsonl")]
+    except ConfigError:  # a damaged log: what else the run has is still summarised
+        records = []
+    evaluation = next((r for r in reversed(records) if "val_doc_loss" in r), None)
+    trained = next((r for r in reversed(records) if "train_loss" in r), None)
+    if stopped_after is None:
+        lines = [f"\nrun finished: {cfg.max_iters} steps, {format_duration(seconds)} wall time"]
+    else:
+        lines = [f"\nrun stopped after step {stopped_after} of {cfg.max_iters}, {format_duration(seconds)} wall time"]
+    if evaluation is not None:
+        names = ["val_doc_loss", "val_loss"] + ["val_doc_loss_from_second"] * cfg.bos
+        losses = " | ".join(f"{name} {evaluation[name]:.4f}" for name in names if name in evaluation)
+        final = stopped_after is None and evaluation["step"] == cfg.max_iters
+        lines.append(f"  final {losses}" if final else f"  last evaluation (step {evaluation['step']}): {losses}")
+    elif trained is not None:
+        lines.append(f"  no evaluation; last train_loss {trained['train_loss']:.4f} (step {trained['step']})")
+    else:
+        lines.append("  no evaluation and no training step logged")
+    ckpt = out_dir / "ckpt.pt"
+    lines.append(f"  checkpoint: {ckpt}" if ckpt.is_file() else "  checkpoint: none written")
+    if stopped_after is not None:
+        return "\n".join([*lines, f"  resume:   {train_command(cfg, world_size)}"])
+    out = f"--out_dir={cfg.out_dir}"
+    return "\n".join(
+        [
+            *lines,
+            f"  sample:   {shell_command('python', 'sample.py', out)}",
+            f"  export:   {shell_command('python', 'export_hf.py', out, f'--to=hf/{out_dir.resolve().name}')}",
+            f"  continue: {train_command(cfg, world_size, f'--max_iters={2 * cfg.max_iters}')}"
+            "  (the learning-rate schedule is re-timed: README, Runs)",
+        ]
+    )
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(__doc__))
         return 0
+    started = time.time()
     first_process = int(os.environ.get("RANK", "0")) == 0
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = None
     try:
         cfg = parse_config(argv)
@@ -649,15 +719,23 @@ def main(argv: list[str]) -> int:
         if first_process:
             print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as e:  # a second stop signal (the first finishes the step and saves), or one before
+    except Stopped as e:  # the first stop signal: the step finished and its checkpoint is saved
         if first_process:
-            resumable = cfg is not None and (Path(cfg.out_dir) / "ckpt.pt").exists()
-            resume = f"; resume from the last checkpoint with: python train.py --out_dir={cfg.out_dir} --resume=true"
+            print(run_summary(cfg, time.time() - started, world_size, stopped_after=e.step), flush=True)
             print(
-                f"\ninterrupted: stopped at once, nothing half-written kept{resume if resumable else ''}",
+                f"interrupted: {e} stopped the run after step {e.step} with its checkpoint saved; exit "
+                f"{interrupted_exit_code(e)} (unfinished); resume it with: {train_command(cfg, world_size)}",
                 file=sys.stderr,
             )
         return interrupted_exit_code(e)
+    except KeyboardInterrupt as e:  # a second stop signal (the first finishes the step and saves), or one before
+        if first_process:
+            resumable = cfg is not None and (Path(cfg.out_dir) / "ckpt.pt").exists()
+            resume = f"; resume from the last checkpoint with: {train_command(cfg, world_size)}" if resumable else ""
+            print(f"\ninterrupted: stopped at once, nothing half-written kept{resume}", file=sys.stderr)
+        return interrupted_exit_code(e)
+    if first_process:
+        print(run_summary(cfg, time.time() - started, world_size))
     return 0
 
 

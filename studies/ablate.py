@@ -45,7 +45,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import checkpoints
 import data
 import files
 import train
@@ -172,9 +171,7 @@ def run_one(cfg: Config, study: Study, decided: dict, offsets: list[int]) -> dic
     out.mkdir(parents=True, exist_ok=True)
     files.write_atomically(started, json.dumps({"decided_by": decided}))
     cfg.resume = (out / "ckpt.pt").exists()  # a run interrupted earlier continues from its checkpoint
-    train.train(cfg)
-    if checkpoints.read_checkpoint(out / "ckpt.pt")["step"] != cfg.max_iters:
-        raise StudyStopped(f"stopped during {out}; run the same command again to continue the study")
+    train.train(cfg)  # a stop signal ends it with train.Stopped, its checkpoint saved
     records = [record for _, record in files.read_metrics(out / "metrics.jsonl")]
     train_records = [r for r in records if "train_loss" in r]
     evals = [r for r in records if "val_doc_loss" in r]
@@ -201,10 +198,6 @@ def training_seconds(train_records: list[dict], tokens_per_step: int) -> float:
     resumed after an interruption is timed like one that was not."""
     steps = np.diff([0] + [r["step"] for r in train_records])
     return float(sum(n * tokens_per_step / r["tokens_per_sec"] for n, r in zip(steps, train_records)))
-
-
-class StudyStopped(Exception):
-    pass
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,6 +233,7 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(usage())
         return 0
+    again = files.shell_command("python", "-m", "studies.ablate", *argv)
     try:
         study, base = parse_args(argv)
         check_against(study, base)
@@ -268,14 +262,18 @@ def main(argv: list[str]) -> int:
             planned.append((pos, variant, seed, cfg, decided))
         runs = train_planned(planned, study, offsets)
         write_report(runs, study, offsets, base, regime, pad_factor, out, environment())
-    except StudyStopped as e:
-        print(e)
-        return 0
     except (ConfigError, data.DataError, train.TrainingDiverged, files.SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except train.Stopped as e:  # the first stop signal: the run in training saved its checkpoint
+        print(
+            f"interrupted: {e} stopped {e.out_dir} after step {e.step} with its checkpoint saved; exit "
+            f"{interrupted_exit_code(e)} (the study is unfinished); continue it with: {again}",
+            file=sys.stderr,
+        )
+        return interrupted_exit_code(e)
     except KeyboardInterrupt as e:  # a second stop signal, or one outside training (the probes)
-        print("\ninterrupted: run the same command to continue the study", file=sys.stderr)
+        print(f"\ninterrupted: continue the study with: {again}", file=sys.stderr)
         return interrupted_exit_code(e)
     return 0
 

@@ -356,8 +356,10 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line_and_the_run_resumes_by_its_na
 def test_resuming_by_name_keeps_the_saved_settings_and_names_what_may_not_change(reference_run, tmp_path, monkeypatch):
     args, uninterrupted = reference_run
     out = tmp_path / "run"
-    monkeypatch.setattr(train.StopRequest, "agreed", lambda self, step, every, device: step == 6)  # Ctrl-C
-    train.train(parse_config(args(out)))
+    ctrl_c_at_step_6 = lambda self, step, every, device: signal.SIGINT * (step == 6)  # noqa: E731
+    monkeypatch.setattr(train.StopRequest, "agreed", ctrl_c_at_step_6)
+    with pytest.raises(train.Stopped):
+        train.train(parse_config(args(out)))
     monkeypatch.undo()
     cfg = parse_config([f"--out_dir={out}", "--resume=true"])
     assert cfg == parse_config(args(out) + ["--resume=true"])  # every saved setting

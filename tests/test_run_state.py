@@ -395,15 +395,18 @@ def test_sigterm_or_sighup_during_preparation_is_one_line_and_leaves_nothing(tmp
 @pytest.mark.slow
 def test_sighup_stops_training_like_ctrl_c(tiny_corpus, tmp_path):
     args = tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", max_iters=100000, eval_interval=100000)
-    child = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     for line in child.stdout:
         if line.startswith("step "):
             break
     child.send_signal(signal.SIGHUP)
-    out, _ = child.communicate(timeout=120)
-    assert child.returncode == 0 and "SIGHUP: finishing this step" in out and "stopped after step" in out
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 128 + signal.SIGHUP and "SIGHUP: finishing this step" in out, err[-2000:]
     step = checkpoints.read_checkpoint(tmp_path / "run" / "ckpt.pt")["step"]
-    assert f"stopped after step {step};" in out
+    assert f"run stopped after step {step} of 100000" in out
+    assert f"interrupted: SIGHUP stopped the run after step {step} with its checkpoint saved; exit 129" in err
 
 
 @pytest.mark.slow
