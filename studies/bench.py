@@ -520,12 +520,7 @@ def format_table(results: list[dict], n_layer: int) -> str:
                 "; ".join(empty_cell_reasons(row, reference, causal)),
             ]
         )
-    lines = markdown_table(header, table)
-    dashed = [column for column in COLUMN_NOTES if any(r[header.index(column)] == "-" for r in table)]
-    if dashed:
-        notes = "; ".join(f"{column}: {COLUMN_NOTES[column]}" for column in dashed)
-        lines += ["", f"'-' where the last column does not say why: {notes}"]
-    return "\n".join(lines)
+    return "\n".join(markdown_table(header, table) + column_notes(header, table))
 
 
 # why a column shows '-' in rows that the last column does not explain
@@ -535,6 +530,13 @@ COLUMN_NOTES = {
     "peak GB": "measured on CUDA only, in the training step",
     "kernel options": "PyTorch's defaults, or not a FlexAttention row",
 }
+
+
+def column_notes(header: list[str], table: list[list]) -> list[str]:
+    """A line under the table on the columns with a '-' that the last column does not explain."""
+    dashed = [column for column in COLUMN_NOTES if any(row[header.index(column)] == "-" for row in table)]
+    notes = "; ".join(f"{column}: {COLUMN_NOTES[column]}" for column in dashed)
+    return ["", f"'-' where the last column does not say why: {notes}"] if dashed else []
 
 
 def empty_cell_reasons(row: dict, reference: dict | None, causal: dict | None) -> list[str]:
