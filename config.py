@@ -109,7 +109,7 @@ class Config:
     )
     lr: float = setting(3e-3, "peak learning rate", minimum=0.0, maximum=10.0)
     min_lr: float = setting(3e-4, "learning rate at the end of the cosine decay", minimum=0.0, maximum=10.0)
-    warmup_iters: int = setting(60, "linear warmup steps", minimum=0)
+    warmup_iters: int = setting(-1, "linear warmup steps (-1: a tenth of max_iters)", minimum=-1)
     weight_decay: float = setting(0.1, "AdamW weight decay on matrices", minimum=0.0, maximum=10.0)
     beta1: float = setting(0.9, "AdamW beta1", minimum=0.0)
     beta2: float = setting(0.99, "AdamW beta2", minimum=0.0)

@@ -90,11 +90,19 @@ def autocast(device: torch.device, dtype: str = "auto"):
     return nullcontext()
 
 
+def warmup_steps(cfg: Config) -> int:
+    """warmup_iters, or by default (-1) a tenth of max_iters: a run made longer warms up longer, since a
+    short warmup at a high learning rate split small learned-position runs into fast and slow ones
+    (results/LOG.md, 2026-12-02). The quickstart's 600 steps get 60."""
+    return cfg.warmup_iters if cfg.warmup_iters >= 0 else cfg.max_iters // 10
+
+
 def lr_at(step: int, cfg: Config) -> float:
     """Linear warmup, then cosine decay from lr to min_lr at max_iters."""
-    if step < cfg.warmup_iters:
-        return cfg.lr * (step + 1) / cfg.warmup_iters
-    progress = (step - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters)
+    warmup = warmup_steps(cfg)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg.max_iters - warmup)
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (cfg.lr - cfg.min_lr)
 
 
@@ -551,7 +559,7 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device, start: Pr
         print0(
             "warning: with packing=pad each row holds one document, so the three flags change nothing", file=sys.stderr
         )
-    if cfg.max_iters <= cfg.warmup_iters:
+    if cfg.max_iters <= warmup_steps(cfg):
         print0(
             f"warning: max_iters={cfg.max_iters} is not past warmup_iters={cfg.warmup_iters}: the learning rate never "
             "reaches its peak or decays; give warmup_iters about a tenth of max_iters",

@@ -291,6 +291,7 @@ def run_config(base: Config, pos_emb: str, variant: str, seed: int, out_dir: Pat
     )
     # every run evaluates on the same documents: an automatic budget is fixed before pad's schedule stretches
     cfg.eval_tokens = train.eval_token_budget(cfg)
+    cfg.warmup_iters = train.warmup_steps(cfg)  # a default warmup is a tenth of the reference's steps, also for pad
     if variant == "pad":  # the same real training tokens: more steps, with the schedule stretched to match
         # (pad_equal_compute keeps the packed run's steps: the same FLOPs, fewer real tokens)
         for key in ("max_iters", "warmup_iters", "eval_interval"):

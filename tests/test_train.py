@@ -105,6 +105,13 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
     assert train.lr_at(60, cfg) == pytest.approx(0.55) and train.lr_at(110, cfg) == pytest.approx(0.1)
 
 
+def test_the_default_warmup_is_a_tenth_of_the_steps_and_grows_with_them():
+    assert Config().warmup_iters == -1 and train.warmup_steps(Config(max_iters=600)) == 60
+    longer = Config(lr=1.0, min_lr=0.0, max_iters=4500)
+    assert train.lr_at(449, longer) == pytest.approx(1.0) and train.lr_at(224, longer) == pytest.approx(0.5)
+    assert train.warmup_steps(Config(max_iters=4500, warmup_iters=0)) == 0  # given, it is kept, 0 included
+
+
 @pytest.mark.slow
 def test_each_step_trains_at_the_learning_rate_of_the_schedule(tiny_corpus, tmp_path):
     """Step s (counted from 1) uses the schedule's value at s - 1: written out by hand, not with lr_at."""
