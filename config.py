@@ -76,7 +76,7 @@ class Config:
     bos: bool = setting(
         False, "begin each document with a start marker (BOS) of its own; false: it starts after the previous EOT"
     )
-    # the three fixes (README: "The three flags")
+    # the three fixes (README: "Why packing needs care")
     doc_mask: bool = setting(True, "attend only within the document; false: causal across documents")
     reset_position_ids: bool = setting(True, "positions restart at 0 in each document; false: 0..seq_len-1")
     mask_boundary_loss: bool = setting(True, "ignore the target predicted from each EOT")

@@ -1,6 +1,6 @@
 """The packing spec: how the documents of a split become rows and a row becomes a batch, top to bottom.
 
-The rules, which are Megatron-LM's flags of the same meaning (README, "The three flags"):
+The rules, which are Megatron-LM's flags of the same meaning (README, "Why packing needs care"):
 
     stream   every document is encoded with `encode_ordinary` and followed by one EOT token;
              the EOT belongs to the document it ends. With the start marker (bos), every document

@@ -1,4 +1,4 @@
-"""Packing semantics (data.py), pinned down against the spec in the README, section "The three flags", and
+"""Packing semantics (data.py), pinned down against the spec in the README, section "Why packing needs care", and
 against references written independently of the code: token-by-token loops and a brute-force best fit."""
 
 import itertools
