@@ -377,18 +377,30 @@ def _file_document(path: Path, skip: Callable[[str, Path], None], on_bytes: Call
         skip("not_utf8", path)
 
 
+def without_lone_surrogates(text: str) -> str:
+    """`text` with each lone surrogate (JSON can escape one, as in "\\ud800"; UTF-8 cannot hold it) replaced
+    by U+FFFD, as tiktoken's encode does; the same object when it holds none."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
 def read_documents(
     source: Source,
     text_field: str = "text",
     skipped: Counter | None = None,
     on_bytes: Callable[[int], None] | None = None,
     skipped_files: dict[str, list[str]] | None = None,
+    repaired: Counter | None = None,
 ) -> Iterator[str]:
     """Every non-empty document of a source, in file order. `skipped` counts what was left out and why, and
     `skipped_files` names the files among it: in a folder or glob, a file that is unreadable, not UTF-8
     text, or holds no document at all (an empty .jsonl.gz, say) is skipped whole; a file damaged after some
-    of its documents were read is refused (DataError), never read in part. `on_bytes(n)` is told of the
-    bytes read, for progress."""
+    of its documents were read is refused (DataError), never read in part. A JSON document with lone
+    surrogates is kept with U+FFFD in their place, and `repaired` counts such documents by file. `on_bytes(n)`
+    is told of the bytes read, for progress."""
     skipped = Counter() if skipped is None else skipped
     on_bytes = on_bytes or (lambda n: None)
 
@@ -425,7 +437,10 @@ def read_documents(
                     reader = _separated_documents(path, on_bytes)
                 for document in reader:
                     found += 1
-                    yield document
+                    fit = without_lone_surrogates(document) if kind == "jsonl" else document
+                    if fit is not document and repaired is not None:
+                        repaired[str(path.relative_to(source.root))] += 1
+                    yield fit
             except OSError as e:
                 raise DataError(f"{path} cannot be read ({e.strerror or e})") from None
             if not found and not source.single_file:

@@ -130,17 +130,12 @@ def preparation_progress(phase: str, total_bytes: int, log: Callable, every: flo
     return Progress(max(1, total_bytes), show, log, every)
 
 
-def _document_key(text: str, seed: int) -> tuple[str, int, float]:
-    """(text fit for the tokenizer, order key, split draw). The key orders the shuffled stream and finds
-    duplicates; the draw in [0, 1) puts the document in val when below val_fraction. Both depend only on
-    the text and the seed, so appending documents never moves an existing one to the other split."""
-    try:
-        raw = text.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates (possible in JSON): replaced, as tiktoken's encode does
-        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-        raw = text.encode("utf-8")
-    digest = hashlib.blake2b(raw, digest_size=16, key=seed.to_bytes(8, "little")).digest()
-    return text, int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little") / 2**64
+def _document_key(text: str, seed: int) -> tuple[int, float]:
+    """(order key, split draw). The key orders the shuffled stream and finds duplicates; the draw in [0, 1)
+    puts the document in val when below val_fraction. Both depend only on the text and the seed, so
+    appending documents never moves an existing one to the other split."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16, key=seed.to_bytes(8, "little")).digest()
+    return int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little") / 2**64
 
 
 def deciding(settings: Config) -> dict:
@@ -279,9 +274,10 @@ def _prepare_into(out: Path, dataset: str, source: Source, settings: Config, inp
     dtype = np.dtype(np.uint16 if enc.n_vocab <= 2**16 else np.uint32)
     skipped: Counter = Counter()
     skipped_files: dict[str, list[str]] = {}  # by reason: the files skipped whole, by name
+    repaired: Counter = Counter()  # by file: documents kept with U+FFFD in place of lone surrogates
     seconds["tokenizer"] = time.time() - seconds["start"]
-    n_buckets, replaced = _encode_into_buckets(
-        out / "buckets", source, settings, enc, dtype, total_bytes, (skipped, skipped_files), log
+    n_buckets = _encode_into_buckets(
+        out / "buckets", source, settings, enc, dtype, total_bytes, (skipped, skipped_files, repaired), log
     )
     seconds["encoding"] = time.time() - seconds["start"] - seconds["tokenizer"]
     splits = _write_shards(out, n_buckets, dtype, skipped, log)
@@ -316,7 +312,8 @@ def _prepare_into(out: Path, dataset: str, source: Source, settings: Config, inp
         "dtype": dtype.name,
         "skipped": {why: n for why, n in sorted(skipped.items()) if n},
         "skipped_files": skipped_files,
-        "lone_surrogates_replaced": replaced,  # documents kept with U+FFFD in place of each lone surrogate
+        "lone_surrogates_replaced": sum(repaired.values()),  # documents kept with U+FFFD in their place
+        **({"lone_surrogate_files": dict(sorted(repaired.items()))} if repaired else {}),
         "splits": splits,
         "bytes_read": total_bytes,
     }
@@ -340,7 +337,7 @@ def _tokenizer_sample(source: Source, settings: Config, total_bytes: int, log) -
     progress = preparation_progress("tokenizer sample", total_bytes, log)
     for text in read_documents(source, settings.text_field, Counter(), lambda n: progress.advance(n)):
         progress.advance(documents=1)
-        text, key, draw = _document_key(text, settings.data_seed)
+        key, draw = _document_key(text, settings.data_seed)
         if draw < settings.val_fraction or key in in_sample or (chars >= budget and key > -heap[0][0]):
             continue
         heapq.heappush(heap, (-key, text))
@@ -380,13 +377,13 @@ def _encode_into_buckets(
     enc,
     dtype,
     total_bytes: int,
-    skipped: tuple[Counter, dict[str, list[str]]],
+    reported: tuple[Counter, dict[str, list[str]], Counter],
     log,
-) -> tuple[int, int]:
+) -> int:
     """Encode every document on all cores into buckets chosen by its order key: files
-    <split>_<bucket>.tokens and .index (key, length per document). `skipped`: what was left out, counted
-    by reason, and the files skipped whole, by name. Returns the number of buckets and of documents whose
-    lone surrogates were replaced by U+FFFD."""
+    <split>_<bucket>.tokens and .index (key, length per document). `reported`: what was left out, counted
+    by reason, the files skipped whole, by name, and the documents whose lone surrogates were replaced,
+    counted by file (read_documents fills them). Returns the number of buckets."""
     compressed = sum(1 for p in source.files if file_kind(p) == "parquet" or p.name.endswith((".gz", ".zst")))
     estimate = total_bytes * (4 if compressed else 1)  # compressed corpora hold more text than their size
     n_buckets = min(4096, max(1, math.ceil(estimate / BUCKET_TEXT_BYTES)))
@@ -424,14 +421,12 @@ def _encode_into_buckets(
     in_flight: deque = deque()
     batch: list[str] = []
     batch_keys: list[tuple[int, bool]] = []
-    batch_chars = replaced = 0
+    batch_chars = 0
     with ThreadPoolExecutor(threads) as pool:
         try:
             on_bytes = lambda n: progress.advance(n)  # noqa: E731
-            for text in read_documents(source, settings.text_field, skipped[0], on_bytes, skipped[1]):
-                fit, key, draw = _document_key(text, settings.data_seed)
-                replaced += fit is not text
-                text = fit
+            for text in read_documents(source, settings.text_field, reported[0], on_bytes, *reported[1:]):
+                key, draw = _document_key(text, settings.data_seed)
                 batch.append(text)
                 batch_keys.append((key, draw < settings.val_fraction))
                 batch_chars += len(text)
@@ -452,7 +447,7 @@ def _encode_into_buckets(
                 future.cancel()
     flush()
     progress.close()
-    return n_buckets, replaced
+    return n_buckets
 
 
 def _write_shards(out: Path, n_buckets: int, dtype, skipped: Counter, log) -> dict:
@@ -523,9 +518,11 @@ def describe(meta: dict, timings: dict) -> list[str]:
         tok += f", trained on {t['documents']:,} documents ({t['characters'] / 1e6:.1f}M characters)"
     lines.append(tok)
     if meta.get("lone_surrogates_replaced"):
+        names = list(meta.get("lone_surrogate_files", {}))
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5:,} more" if len(names) > 5 else "")
         lines.append(
             f"data: {meta['lone_surrogates_replaced']:,} document(s) held lone surrogates (invalid UTF-16 in JSON): "
-            "kept, with U+FFFD in their place"
+            f"kept, with U+FFFD in their place; in {len(names):,} file(s): {shown}"
         )
     for why, names in meta.get("skipped_files", {}).items():
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5:,} more" if len(names) > 5 else "")

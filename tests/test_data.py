@@ -598,12 +598,18 @@ def test_packages_refuses_a_distribution_installed_at_another_version_than_its_p
         corpora._package_modules()
 
 
-def test_documents_with_lone_surrogates_are_kept_and_counted(tmp_path):
-    corpus = tmp_path / "c.jsonl"
+def test_documents_with_lone_surrogates_are_kept_counted_and_their_files_named(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
     docs = make_documents(40)
-    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs) + '{"text": "half \\ud800 a pair"}\n')
+    (corpus / "clean.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (corpus / "odd.jsonl").write_text('{"text": "half \\ud800 a pair"}\n{"text": "\\udfff alone, twice"}\n')
     lines = []
     folder = prepare.prepare(str(corpus), str(tmp_path / "data"), SMALL, log=lines.append)
-    assert json.loads((folder / "meta.json").read_text())["lone_surrogates_replaced"] == 1
-    assert any(line.startswith("data: 1 document(s) held lone surrogates") for line in lines)
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["lone_surrogates_replaced"] == 2 and meta["lone_surrogate_files"] == {"odd.jsonl": 2}
+    assert any(
+        line.startswith("data: 2 document(s) held lone surrogates") and line.endswith("in 1 file(s): odd.jsonl")
+        for line in lines
+    )
     assert "half \ufffd a pair" in decoded_documents(folder, "train") + decoded_documents(folder, "val")
