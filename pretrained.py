@@ -222,8 +222,8 @@ def check_shapes(folder: Path, settings: dict, weights: dict[str, torch.Tensor])
     try:
         with torch.device("meta"):  # shapes only: no memory, no init
             model = GPT(GPTConfig(vocab_size=len(weights["wte.weight"]), **settings))
-    except ValueError as e:
-        raise ConfigError(f"init_from={folder}: {e}") from None
+    except (ValueError, ZeroDivisionError, TypeError) as e:  # a config.json of zeros or of the wrong types
+        raise ConfigError(f"init_from={folder}: config.json describes no model this one can build ({e})") from None
     for name, expected in model.state_dict().items():
         if name != "lm_head.weight" and weights[name].shape != expected.shape:
             raise ConfigError(
@@ -315,7 +315,12 @@ def read_vocabulary(folder: Path) -> dict[str, int]:
     if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise ConfigError(f"init_from={folder}: tokenizer.json holds no BPE vocabulary to compare with the run's")
     vocabulary = dict(model["vocab"])
-    vocabulary.update({token["content"]: token["id"] for token in content.get("added_tokens", [])})
+    try:
+        vocabulary.update({token["content"]: token["id"] for token in content.get("added_tokens", [])})
+    except (KeyError, TypeError):
+        raise ConfigError(f"init_from={folder}: tokenizer.json's added_tokens are not content/id entries") from None
+    if not all(isinstance(i, int) for i in vocabulary.values()):
+        raise ConfigError(f"init_from={folder}: tokenizer.json holds token ids that are not integers")
     if not vocabulary:
         raise ConfigError(f"init_from={folder}: tokenizer.json holds no tokens")
     return vocabulary

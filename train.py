@@ -561,7 +561,7 @@ def fit(cfg: Config, rank: int, world_size: int, device: torch.device, start: Pr
         )
     if cfg.max_iters <= warmup_steps(cfg):
         print0(
-            f"warning: max_iters={cfg.max_iters} is not past warmup_iters={cfg.warmup_iters}: the learning rate never "
+            f"warning: max_iters={cfg.max_iters} is not past warmup_iters={warmup_steps(cfg)}: the learning rate never "
             "reaches its peak or decays; give warmup_iters about a tenth of max_iters",
             file=sys.stderr,
         )
@@ -650,8 +650,9 @@ def loop(cfg, run: RunData, model, optimizer, start_step: int, log: MetricsLog, 
                     log.write(result)
                 saver.save(step, model, optimizer, run.train, result)
                 log.evaluated(result, time.time() - t_eval)
-            if stopping and not last:
-                saver.save(step, model, optimizer, run.train, result)
+            if stopping:  # raised at the last step too, so that a study running this run stops as asked
+                if not last:  # the last step's checkpoint is saved above, with its evaluation
+                    saver.save(step, model, optimizer, run.train, result)
                 raise Stopped(stopping, step, cfg.out_dir)
     return result
 
@@ -728,6 +729,10 @@ def main(argv: list[str]) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 1
     except Stopped as e:  # the first stop signal: the step finished and its checkpoint is saved
+        if e.step == cfg.max_iters:  # during the last step: the run is finished all the same
+            if first_process:
+                print(run_summary(cfg, time.time() - started, world_size))
+            return 0
         if first_process:
             print(run_summary(cfg, time.time() - started, world_size, stopped_after=e.step), flush=True)
             print(

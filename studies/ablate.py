@@ -182,7 +182,7 @@ def run_one(cfg: Config, study: Study, decided: dict, offsets: list[int]) -> dic
         "useful_tokens_per_sec": float(np.mean([r["counted_tokens_per_sec"] for r in train_records])),
         "steps": cfg.max_iters,
         "trained_at_commit": code_commit(),
-        "trained_on": environment()["hardware"],
+        "trained_on": hardware(),
         "threads": torch.get_num_threads(),
         **run_probes(out, cfg, study.probe_docs, offsets),
     }
@@ -204,20 +204,21 @@ def training_seconds(train_records: list[dict], tokens_per_step: int) -> float:
 # Endpoints and verdicts
 
 
-def environment() -> dict:
-    commit = code_commit()
+def hardware() -> str:
     if torch.cuda.is_available():
-        hardware = torch.cuda.get_device_name()
-    else:
-        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
-        hardware = f"CPU: {names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+        return torch.cuda.get_device_name()
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
+    return f"CPU: {names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def environment(command: list[str]) -> dict:
     return {
-        "hardware": hardware,
+        "hardware": hardware(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "commit": commit,
-        "command": " ".join(["python -m studies.ablate", *sys.argv[1:]]),
+        "commit": code_commit(),
+        "command": " ".join(command),
     }
 
 
@@ -229,11 +230,13 @@ def usage() -> str:  # the ablate docstring, then the [ablate] keys
     return help_text(__doc__, cls=Study) + "\n\n...and any train.py setting (python train.py --help)."
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], command: list[str] | None = None) -> int:
+    """`command`: the words that run the study again, when another module (studies.compare) runs it."""
     if any(a in ("-h", "--help") for a in argv):
         print(usage())
         return 0
-    again = files.shell_command("python", "-m", "studies.ablate", *argv)
+    command = command or ["python", "-m", "studies.ablate", *argv]
+    again = files.shell_command(*command)
     try:
         study, base = parse_args(argv)
         check_against(study, base)
@@ -261,7 +264,7 @@ def main(argv: list[str]) -> int:
             check_reusable(Path(cfg.out_dir), decided)  # every run before the first trains
             planned.append((pos, variant, seed, cfg, decided))
         runs = train_planned(planned, study, offsets)
-        write_report(runs, study, offsets, base, regime, pad_factor, out, environment())
+        write_report(runs, study, offsets, base, regime, pad_factor, out, environment(command))
     except (ConfigError, data.DataError, train.TrainingDiverged, files.SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -31,6 +31,7 @@ import torch
 import checkpoints
 import sample
 from config import ConfigError, run_main
+from data import DataError
 from prepare import prepare_for
 from shards import load_shards
 from studies import ablate, stats
@@ -45,9 +46,9 @@ ENDPOINTS = {"early": "positions 0-15", "from_second": "whole documents"}
 # parameter in the ladder, results/ladder/): half of Chinchilla's 20 tokens a parameter (Hoffmann et al.
 # 2022, arXiv 2203.15556), and a loss at least 1 nat under a unigram model's
 WELL_TRAINED_TOKENS_PER_PARAMETER = 10
+WELL_TRAINED_NATS_UNDER_UNIGRAM = 1.0
 # a variant that raises the loss ("hurts", in stats.py's words) means the fix it turns off helps
 DECIDED = {"hurts": "decided: the fix helps", "helps": "decided: the fix hurts", "negligible": "decided: negligible"}
-WELL_TRAINED_NATS_UNDER_UNIGRAM = 1.0
 
 
 def unigram_loss(shard_path: Path) -> float:
@@ -80,7 +81,10 @@ def training_extent(saved: dict, out: Path, unigram: float) -> dict:
 
 def count_parameters(cell: Path) -> int:
     """Parameters of a cell's model (tied embeddings counted once), from any of its checkpoints."""
-    state = checkpoints.read_checkpoint(next(cell.glob("seed*/ckpt.pt")))
+    checkpoint = next(cell.glob("seed*/ckpt.pt"), None)
+    if checkpoint is None:
+        raise ConfigError(f"{cell} holds no run's ckpt.pt to count the model's parameters from")
+    state = checkpoints.read_checkpoint(checkpoint)
     return sample.trained_model(state, torch.device("cpu")).num_params()
 
 
@@ -180,7 +184,16 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip())
         return 0
     config, rest = (argv[0], argv[1:]) if argv and not argv[0].startswith("--") else (str(DEFAULT_CONFIG), argv)
-    code = ablate.main([config, *rest])
+    try:
+        study, base = parse_args([config, *rest])
+        if "reference" not in study.variants:
+            raise ConfigError(f"variants={study.variants}: give the reference too, every effect is against it")
+        if not any(a.startswith("--out_dir=") for a in rest):  # a folder of its own for each prepared dataset
+            rest = [*rest, f"--out_dir={Path(study.out_dir) / prepare_for(base).name}"]
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    code = ablate.main([config, *rest], command=["python", "-m", "studies.compare", *argv])
     if code != 0:
         return code
     try:

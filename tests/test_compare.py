@@ -88,3 +88,23 @@ def test_a_bad_setting_is_one_error_line(capsys):
     assert compare.main(["--seeds=0"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_each_dataset_gets_its_own_folder_and_a_stopped_comparison_names_its_own_command(monkeypatch, tmp_path):
+    called = {}
+
+    def fake_ablate(argv: list[str], command: list[str]) -> int:
+        called.update(argv=argv, command=command)
+        return 130  # as a stopped study returns: compare passes it on and reads nothing
+
+    monkeypatch.setattr(compare.ablate, "main", fake_ablate)
+    monkeypatch.setattr(compare, "prepare_for", lambda base: tmp_path / f"{Path(base.dataset).name}-bpe8192-0123abcd")
+    assert compare.main(["--dataset=my_docs.jsonl", "--seeds=2"]) == 130
+    assert called["argv"][1:] == [
+        "--dataset=my_docs.jsonl",
+        "--seeds=2",
+        "--out_dir=out/compare/my_docs.jsonl-bpe8192-0123abcd",
+    ]
+    assert called["command"] == ["python", "-m", "studies.compare", "--dataset=my_docs.jsonl", "--seeds=2"]
+    assert compare.main(["--dataset=my_docs.jsonl", "--out_dir=mine"]) == 130 and called["argv"][-1] == "--out_dir=mine"
+    assert compare.main(["--variants=no_doc_mask,naive"]) == 1  # no reference to compare with: one error line

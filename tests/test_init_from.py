@@ -159,6 +159,7 @@ def test_a_folder_that_is_not_a_model_folder_is_refused(tmp_path, tiny_corpus, c
         ("learned", {"scale_attn_by_inverse_layer_idx": True}, "attention scaled otherwise"),
         ("learned", {"n_positions": 128}, "wpe.weight has shape (64, 32) in model.safetensors, and (128, 32) by its"),
         ("learned", {"n_layer": 3}, "model.safetensors has no tensor h.2.ln_1.weight, which its config.json implies"),
+        ("learned", {"n_head": 0}, "config.json describes no model this one can build"),
         ("rope", {"use_parallel_residual": True}, "a parallel residual"),
         ("rope", {"rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25}}, "rotary over part"),
         ("rope", {"rope_parameters": {"rope_theta": 500000.0}}, "a rotary base of 500000.0"),

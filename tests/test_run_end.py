@@ -118,6 +118,20 @@ def test_a_stopped_run_saves_its_checkpoint_exits_143_and_says_so_in_one_line(
     assert "run stopped after step 3 of 6" in stdout and "export_hf.py" not in stdout
 
 
+def test_a_stop_during_the_last_step_finishes_the_run_and_stops_a_caller(tiny_corpus, tmp_path, capsys, monkeypatch):
+    """train.py: the run is finished all the same (exit 0, the finished summary). A study calling train():
+    the stop reaches it, so the next run does not start as if nothing had been asked."""
+    out = tmp_path / "run"
+    monkeypatch.setattr(train.StopRequest, "agreed", lambda self, step, every, device: signal.SIGINT * (step == 4))
+    code, stdout, stderr = in_process_main(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=4), capsys)
+    assert code == 0 and checkpoints.read_checkpoint(out / "ckpt.pt")["step"] == 4
+    assert "run finished: 4 steps" in stdout and "interrupted" not in stderr
+    again = train.parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "other", max_iters=4))
+    with pytest.raises(train.Stopped) as stopped:
+        train.train(again)
+    assert stopped.value.step == 4 and checkpoints.read_checkpoint(tmp_path / "other" / "ckpt.pt")["step"] == 4
+
+
 def start_until_training(command: list[str]) -> subprocess.Popen:
     """The command started, returned once it prints its first training step."""
     proc = subprocess.Popen(
