@@ -16,6 +16,7 @@ What this model cannot compute exactly is refused in one line (ConfigError), bef
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +33,12 @@ from shards import BOS_TEXT
 GELU = {"gelu": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # transformers' names of the two
 # what transformers assumes for a key a config.json leaves out (GPT2Config's and GPTNeoXConfig's defaults)
 GPT2_DEFAULTS = {
-    "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
+    "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
     "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True,
     "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False,
 }  # fmt: skip
 NEOX_DEFAULTS = {
-    "vocab_size": 50432, "hidden_size": 6144, "num_hidden_layers": 44, "num_attention_heads": 64,
+    "hidden_size": 6144, "num_hidden_layers": 44, "num_attention_heads": 64,
     "intermediate_size": 24576, "hidden_act": "gelu", "max_position_embeddings": 2048, "layer_norm_eps": 1e-5,
     "use_parallel_residual": True, "attention_bias": True, "rotary_pct": 0.25, "rotary_emb_base": 10000.0,
 }  # fmt: skip
@@ -113,7 +114,7 @@ def read_pretrained(folder: Path) -> Pretrained:
     return Pretrained(folder, settings, weights, vocabulary)
 
 
-def adopt_settings(cfg: Config, start: Pretrained, log=print) -> None:
+def adopt_settings(cfg: Config, start: Pretrained, log: Callable[[str], None] = print) -> None:
     """The folder's model settings become the run's (config.json records them); one given otherwise (not its
     default) contradicts the folder and is refused."""
     defaults = Config()

@@ -21,6 +21,7 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -421,7 +422,7 @@ def train(cfg: Config) -> dict:
             dist.destroy_process_group()
 
 
-def pretrained_start(cfg: Config, log) -> Pretrained | None:
+def pretrained_start(cfg: Config, log: Callable[[str], None]) -> Pretrained | None:
     """The weights of the folder init_from names, with its model settings made the run's; read before out_dir
     is touched, so that a folder that cannot serve is refused with nothing written (its tokenizer is compared
     with the run's in build_model, before any run file). None when resuming: the checkpoint holds the weights
