@@ -387,6 +387,15 @@ def without_lone_surrogates(text: str) -> str:
     return text
 
 
+def _repairing(documents: Iterator[str], name: str, repaired: Counter | None) -> Iterator[str]:
+    """JSON documents with their lone surrogates replaced, counted in `repaired` under the file's name."""
+    for document in documents:
+        fit = without_lone_surrogates(document)
+        if fit is not document and repaired is not None:
+            repaired[name] += 1
+        yield fit
+
+
 def read_documents(
     source: Source,
     text_field: str = "text",
@@ -395,12 +404,10 @@ def read_documents(
     skipped_files: dict[str, list[str]] | None = None,
     repaired: Counter | None = None,
 ) -> Iterator[str]:
-    """Every non-empty document of a source, in file order. `skipped` counts what was left out and why, and
-    `skipped_files` names the files among it: in a folder or glob, a file that is unreadable, not UTF-8
-    text, or holds no document at all (an empty .jsonl.gz, say) is skipped whole; a file damaged after some
-    of its documents were read is refused (DataError), never read in part. A JSON document with lone
-    surrogates is kept with U+FFFD in their place, and `repaired` counts such documents by file. `on_bytes(n)`
-    is told of the bytes read, for progress."""
+    """Every non-empty document of a source, in file order. `skipped` counts what was left out and why,
+    `skipped_files` names the files skipped whole (in a folder or glob: unreadable, not UTF-8, or with no
+    document); a file damaged after some of its documents were read is refused (DataError). `repaired`
+    counts by file the JSON documents kept with U+FFFD for lone surrogates; `on_bytes(n)`: bytes read."""
     skipped = Counter() if skipped is None else skipped
     on_bytes = on_bytes or (lambda n: None)
 
@@ -432,15 +439,13 @@ def read_documents(
                 if kind == "parquet":
                     reader = _parquet_documents(path, text_field, skipped, on_bytes)
                 elif kind == "jsonl":
-                    reader = _jsonl_documents(path, text_field, on_bytes)
+                    name = str(path.relative_to(source.root))
+                    reader = _repairing(_jsonl_documents(path, text_field, on_bytes), name, repaired)
                 else:
                     reader = _separated_documents(path, on_bytes)
                 for document in reader:
                     found += 1
-                    fit = without_lone_surrogates(document) if kind == "jsonl" else document
-                    if fit is not document and repaired is not None:
-                        repaired[str(path.relative_to(source.root))] += 1
-                    yield fit
+                    yield document
             except OSError as e:
                 raise DataError(f"{path} cannot be read ({e.strerror or e})") from None
             if not found and not source.single_file:
