@@ -1,26 +1,22 @@
-"""The settings of a run: every key of train.py is a field of `Config`, with its default, help, bounds and
-role, declared once. Values come from the defaults, then a TOML file, then --key=value arguments. Every other
-script's settings are a dataclass of such fields, parsed the same way (script_settings)."""
+"""The settings table: every key of train.py is a field of `Config`, with its default, help, bounds and role,
+declared once (cli.py reads them from a TOML file and --key=value arguments). Every other script's settings are
+a dataclass of such fields. Also here: how the data settings are named in a prepared folder, both ways."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
-import math
+import hashlib
 import os
 import re
-import signal
-import sys
-import textwrap
-import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from data import Flags
-from files import ConfigError, check_run_files
+from errors import ConfigError
+from model import GPTConfig
 
 MAX_SEED = 2**63 - 1  # what torch, numpy and the data hash all take
 
@@ -156,206 +152,20 @@ NOT_DECIDING = set(fields_where(decides=None))  # they cannot change a run's num
 DATA_SETTINGS = fields_where(decides="data")  # what a preparation depends on
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised as Ctrl-C is, so every way of stopping runs the same clean-up."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def interrupted_exit_code(error: KeyboardInterrupt) -> int:
-    return 128 + getattr(error, "signum", signal.SIGINT)  # as for a process the signal stopped
+def warmup_steps(cfg: Config) -> int:
+    """warmup_iters, or by default (-1) a tenth of max_iters: a run made longer warms up longer, since a
+    short warmup at a high learning rate split small learned-position runs into fast and slow ones
+    (results/LOG.md, 2026-12-02). The quickstart's 600 steps get 60."""
+    return cfg.warmup_iters if cfg.warmup_iters >= 0 else cfg.max_iters // 10
 
 
-def _raise_interrupted(signum, frame) -> None:
-    raise Interrupted(signum)
-
-
-def run_main(main) -> None:
-    """Every script's entry point. A stop signal that reaches here is one line and exit 128 + its number
-    (writes are atomic: nothing half-written is left); a pipe closed early (| head) ends quietly."""
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _raise_interrupted)
-    try:
-        code = main(sys.argv[1:])
-        sys.stdout.flush()
-    except KeyboardInterrupt as e:
-        print("\ninterrupted: stopped at once; nothing half-written was kept", file=sys.stderr)
-        code = interrupted_exit_code(e)
-    except BrokenPipeError:
-        _silence_stdout()
-        code = 141  # 128 + SIGPIPE
-    except OSError as e:  # what reaches here is the output itself failing (a full disk or device under stdout):
-        _silence_stdout()  # the scripts' own files fail as SaveFailed or DataError, with their own line
-        try:
-            print(f"error: cannot write the output ({e.strerror or e}); what was saved before is kept", file=sys.stderr)
-        except OSError:
-            pass
-        code = 1
-    sys.exit(code)
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null, so that the interpreter's flush at exit does not fail a second time."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-# ----------------------------------------------------------------------------------------------
-# Configuration: defaults < TOML file < --key=value
-
-TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
-
-
-def _coerce(name: str, value, kind: str):
-    """A value of type `kind` (bool, int, float, str, list[...], dict[str, ...]) from TOML or command-line
-    text; lists and tables are comma-separated there (--probe_offsets=64,128, --seeds_by_variant=a=8,b=4)."""
-    if kind.startswith(("list[", "dict[str, ")):
-        item, is_list = kind[kind.index("[") + 1 : -1].removeprefix("str, "), kind.startswith("list")
-        if isinstance(value, str) and is_list:
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        elif isinstance(value, str):
-            pairs = [v.split("=", 1) for v in value.split(",") if v.strip()]
-            if not all(len(pair) == 2 for pair in pairs):
-                raise ConfigError(f"{name}={value!r}: expected name=value pairs separated by commas")
-            value = {k.strip(): v for k, v in pairs}
-        if is_list and isinstance(value, list):
-            return [_coerce(name, v, item) for v in value]
-        if not is_list and isinstance(value, dict):
-            return {str(k): _coerce(f"{name}.{k}", v, item) for k, v in value.items()}
-        raise ConfigError(f"{name}={value!r}: expected {'a list of' if is_list else 'a table of name ='} {item}")
-    accepted = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str, int, float)}[kind]
-    if isinstance(value, accepted) and (kind == "bool" or not isinstance(value, bool)):
-        return {"bool": bool, "int": int, "float": float, "str": str}[kind](value)
-    if isinstance(value, str) and kind == "bool" and value.lower() in TRUE + FALSE:
-        return value.lower() in TRUE
-    if isinstance(value, str) and kind in ("int", "float"):
-        try:
-            return int(value) if kind == "int" else float(value)
-        except ValueError:
-            pass
-    raise ConfigError(f"{name}={value!r}: expected {kind}")
-
-
-def script_settings(cls: type, argv: list[str], usage: str, command: str):
-    """A script's --key=value arguments as its settings dataclass; --help lists them; a bad one is one line
-    `error: ...` and exit 2."""
-    if any(a in ("-h", "--help") for a in argv):
-        print(help_text(usage, cls=cls))
-        sys.exit(0)
-    try:
-        return settings_from(cls, command_line_values(argv), f"{command} --help")
-    except ConfigError as e:
-        named = any(str(e).startswith(f"{f.name}=") for f in dataclasses.fields(cls))
-        print(f"error: {'--' if named else ''}{e}", file=sys.stderr)  # as it was typed: --key=value
-        sys.exit(2)
-
-
-def settings_from(cls: type, values: dict, help_command: str):
-    """The settings dataclass `cls` from raw values, each of its field's type and within its bounds."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in values:
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"unknown config key {key!r}{hint}; run '{help_command}' for the keys")
-    coerced = {k: _coerce(k, v, fields[k].type) for k, v in values.items()}
-    settings = cls(**{k: os.path.expanduser(v) if fields[k].metadata["path"] else v for k, v in coerced.items()})
-    check_bounds(settings)
-    return settings
-
-
-def command_line_values(argv: list[str], hint: str = "") -> dict:
-    if bad := [arg for arg in argv if not arg.startswith("--") or "=" not in arg]:
-        raise ConfigError(f"bad argument {bad[0]!r}: use --key=value{hint}")
-    return dict(arg[2:].split("=", 1) for arg in argv)
-
-
-def parse_config(argv: list[str]) -> Config:
-    """A checked Config from [CONFIG.toml] [--key=value ...]. With resume=true the run's saved settings
-    (out_dir/config.json) come first, and the given ones may change only what RESUMABLE allows."""
-    values: dict = {}
-    if argv and not argv[0].startswith("--"):
-        values, argv = read_config_file(Path(os.path.expanduser(argv[0]))), argv[1:]
-    values.update(command_line_values(argv, " (a config file may come first)"))
-    given = settings_from(Config, values, "python train.py --help")
-    if given.resume:
-        values = {**saved_settings(given, values), **values}
-    cfg = settings_from(Config, values, "python train.py --help")
-    validate(cfg)
-    return cfg
-
-
-def saved_settings(given: Config, values: dict) -> dict:
-    """The settings a run started with ({} when it has none), after checking `values` change only what may
-    change when resuming. A damaged config.json falls back to the checkpoint's copy."""
-    out_dir = Path(given.out_dir)
-    check_run_files(out_dir)
-    path = out_dir / "config.json"
-    try:
-        saved = json.loads(path.read_text())
-        if not isinstance(saved, dict):
-            raise ValueError("not a table of settings")
-    except FileNotFoundError:
-        return {}  # no run there: files.hold says so
-    except (OSError, ValueError) as e:
-        if not (out_dir / "ckpt.pt").is_file():
-            raise ConfigError(f"{path} cannot be read ({e}) and there is no checkpoint to resume from") from None
-        try:  # the checkpoint's content is verified when the run loads it
-            saved = torch.load(out_dir / "ckpt.pt", map_location="cpu", weights_only=False)["config"]
-        except Exception as error:  # a damaged checkpoint fails in many ways inside torch and pickle
-            raise ConfigError(f"{path} cannot be read ({e}), nor can the settings in ckpt.pt ({error})") from None
-        print(f"warning: {path} cannot be read ({e}); resuming with the settings in ckpt.pt", file=sys.stderr)
-    fields = {f.name for f in dataclasses.fields(Config)}
-    # the folder is where the run is now (it may have moved), and resuming is not overwriting
-    saved = {k: v for k, v in saved.items() if k in fields and k not in ("resume", "overwrite", "out_dir")}
-    if detail := changed_on_resume(saved, given, [k for k in values if k in saved]):
-        raise ConfigError(
-            f"cannot resume {given.out_dir} with other settings ({detail}); when resuming only "
-            f"{', '.join(sorted(RESUMABLE - {'resume', 'overwrite'}))} may change"
-        )
-    return saved
-
-
-def changed_on_resume(saved: dict, cfg: Config, keys: list[str]) -> str:
-    """'key: saved -> now' for each of `keys` that `cfg` changes from `saved` and a resumed run may not."""
-    defaults = Config()  # a setting added after the run started: it ran as the default does
-    before = {k: saved.get(k, getattr(defaults, k, None)) for k in keys}
-    changed = [k for k in keys if k not in RESUMABLE and before[k] != getattr(cfg, k)]
-    return ", ".join(f"{k}: {before[k]!r} -> {getattr(cfg, k)!r}" for k in changed)
-
-
-def read_config_file(path: Path) -> dict:
-    hint = f" (to train on a corpus, give it as --dataset={path})"
-    if path.is_dir():
-        raise ConfigError(f"{path} is a folder, not a config file{hint}")
-    if path.suffix != ".toml" and path.exists():  # a corpus there could even read as an empty config
-        raise ConfigError(f"{path} is not a .toml config file{hint}")
-    try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} not found") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:
-        raise ConfigError(f"config file {path} cannot be read ({e.strerror})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path} does not parse: {e}") from None
-
-
-def check_bounds(settings) -> None:
-    for f in dataclasses.fields(settings):
-        value = getattr(settings, f.name)
-        choices, minimum, maximum = (f.metadata[k] for k in ("choices", "min", "max"))
-        for item in value if isinstance(value, list) else [value]:
-            if choices and item not in choices:
-                raise ConfigError(f"{f.name}={item!r}: choose one of {', '.join(choices)}")
-            if isinstance(item, float) and not math.isfinite(item):
-                raise ConfigError(f"{f.name}={item}: must be a finite number")
-            if minimum is not None and item < minimum:
-                raise ConfigError(f"{f.name}={item!r}: must be at least {minimum}")
-            if maximum is not None and item > maximum:
-                raise ConfigError(f"{f.name}={item!r}: must be at most {maximum}")
+def eval_token_budget(cfg: Config, world_size: int = 1) -> int:
+    """eval_tokens, with -1 made to suit the run: a quarter of the tokens trained between two evaluations,
+    within [32,768, 1,000,000]."""
+    if cfg.eval_tokens >= 0:
+        return cfg.eval_tokens
+    between = cfg.batch_size * cfg.grad_accum * cfg.seq_len * world_size * min(cfg.eval_interval, cfg.max_iters)
+    return min(1_000_000, max(32_768, between // 4))
 
 
 def validate(cfg: Config) -> None:
@@ -380,20 +190,22 @@ def validate(cfg: Config) -> None:
         )
 
 
-def help_text(usage: str, keys: tuple[str, ...] | None = None, cls: type = Config) -> str:
-    """`usage`, then every setting of `cls` (or those in `keys`) with its default, choices and help."""
-    lines = [usage.strip(), "", "settings (--key=default):"]
-    for f in dataclasses.fields(cls):
-        if keys is not None and f.name not in keys:
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if isinstance(default, (list, dict)):
-            default = ",".join(f"{k}={v}" for k, v in default.items()) if isinstance(default, dict) else default
-            default = ",".join(map(str, default)) if isinstance(default, list) else default
-        choices = f"  [{' | '.join(f.metadata['choices'])}]" if f.metadata["choices"] else ""
-        lines.append(f"  --{f.name}={str(default).lower() if isinstance(default, bool) else default}{choices}")
-        lines += textwrap.wrap(f.metadata["help"], width=100, initial_indent=" " * 6, subsequent_indent=" " * 6)
-    return "\n".join(lines)
+def check_fits(config: GPTConfig, batch_size: int, device: torch.device) -> None:
+    """Refuse a model that cannot fit: weights, gradients and AdamW state (16 bytes a parameter) plus one fp32
+    copy of the logits are a lower bound on what training needs."""
+    d, T = config.n_embd, config.seq_len
+    params = config.vocab_size * d + config.n_layer * (12 * d * d + 4 * d) + 2 * d
+    params += T * d if config.pos_emb == "learned" else 0
+    need = 16 * params + 4 * batch_size * T * config.vocab_size
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ConfigError(
+            f"the model ({params / 1e6:,.1f}M parameters, {batch_size} x {T} tokens a micro-batch) needs about "
+            f"{need / 1e9:,.1f} GB to train on {device.type}, and this machine has {have / 1e9:,.1f} GB"
+        )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -408,3 +220,51 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ConfigError(f"device={name!r} but this machine has {torch.cuda.device_count()} GPU(s)")
     return device
+
+
+# ----------------------------------------------------------------------------------------------
+# The data settings by their names in a prepared folder's meta.json ("settings"): prepare.py writes them
+# (prepared_settings), and a run given the folder reads them back (adopt_prepared_settings)
+
+SETTINGS_IN_META = {"val_fraction": "val_fraction", "data_seed": "seed", "text_field": "text_field"}
+BPE_SETTINGS_IN_META = {"tokenizer_vocab_size": "vocab_size", "tokenizer_train_mb": "tokenizer_train_mb"}
+
+
+def prepared_settings(cfg: Config) -> dict:
+    """The settings that decide a preparation's content, by their names in meta.json (hashed, in this order,
+    into the folder's name): a .tiktoken file is known by its content's SHA-256."""
+    made = {name: getattr(cfg, key) for key, name in SETTINGS_IN_META.items()}
+    if cfg.tokenizer == "bpe":
+        made.update(tokenizer="bpe", **{name: getattr(cfg, key) for key, name in BPE_SETTINGS_IN_META.items()})
+    elif cfg.tokenizer.endswith(".tiktoken") and Path(cfg.tokenizer).is_file():
+        made.update(tokenizer=hashlib.sha256(Path(cfg.tokenizer).read_bytes()).hexdigest())
+    else:
+        made.update(tokenizer=cfg.tokenizer)
+    return made
+
+
+def adopt_prepared_settings(cfg: Config, folder: Path, meta: dict, log: Callable[[str], None]) -> None:
+    """The data settings a prepared folder was made with become the run's, so that config.json records what
+    the run used; a setting given otherwise (not its default) contradicts the data and is refused."""
+    made, defaults, adopted = meta["settings"], Config(), []
+    same_tokenizer = cfg.tokenizer == meta["tokenizer"] or (  # a .tiktoken file is known by its content
+        Path(cfg.tokenizer).is_file()
+        and hashlib.sha256(Path(cfg.tokenizer).read_bytes()).hexdigest() == made["tokenizer"]
+    )
+    used = {
+        "tokenizer": cfg.tokenizer if same_tokenizer else meta["tokenizer"],
+        **{key: made.get(name, getattr(cfg, key)) for key, name in BPE_SETTINGS_IN_META.items()},
+        **{key: made[name] for key, name in SETTINGS_IN_META.items()},
+    }
+    for key, value in used.items():
+        if getattr(cfg, key) == value:
+            continue
+        if getattr(cfg, key) != getattr(defaults, key):
+            raise ConfigError(
+                f"{key}={getattr(cfg, key)!r}, but {folder} was prepared with {key}={value!r}: drop the setting to "
+                "train on that folder, or give the corpus itself to prepare it with yours"
+            )
+        setattr(cfg, key, value)
+        adopted.append(f"{key}={value!r}")
+    if adopted:
+        log(f"data: {folder} was prepared with {', '.join(adopted)}; the run uses (and records) those")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from data import DataError
+from errors import DataError
 from shards import EOT_TEXT, PREPARED_FILES
 
 BUILTIN_DATASETS = ("stdlib", "stdlib-files", "packages", "packages-files")

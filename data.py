@@ -25,11 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from errors import DataError
+
 IGNORE_INDEX = -100  # targets with this value do not count in the loss (torch's cross_entropy default)
-
-
-class DataError(Exception):
-    """A problem with the user's data or prepared shards."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,16 +115,6 @@ def make_batch(
     if flags.mask_boundary_loss:
         targets = boundary_loss_masked(inputs, targets, eot_id)
     return Batch(inputs.contiguous(), targets, doc_ids, position_ids, in_document, doc_mask=flags.doc_mask)
-
-
-def batch_of_rows(rows: list[np.ndarray], seq_len: int, eot_id: int, flags: Flags = Flags()) -> Batch:
-    """A batch whose row r holds the tokens rows[r] (at most seq_len + 1), padded: rows laid out by hand."""
-    if any(len(row) > seq_len + 1 for row in rows):
-        raise ValueError(f"a row holds at most seq_len + 1 = {seq_len + 1} tokens")
-    tokens = np.full((len(rows), seq_len + 1), eot_id, dtype=np.int64)
-    for r, row in enumerate(rows):
-        tokens[r, : len(row)] = row
-    return make_batch(tokens, np.array([len(row) for row in rows]), eot_id, flags=flags)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,52 +276,6 @@ def best_fit_decreasing(sizes: list[int], capacity: int, alone: int = 0) -> np.n
 PACKINGS = {"concat": concat_rows, "pad": pad_rows, "bestfit": bestfit_rows}
 
 
-def packing_statistics(documents: Documents, rows: Rows, seq_len: int, max_rows: int = 8192) -> dict:
-    """How a packing holds the documents: per row and token from up to max_rows rows spread over the split;
-    documents split or cut from all of them."""
-    chosen = np.unique(np.linspace(0, len(rows) - 1, min(max_rows, len(rows))).astype(np.int64))
-    index, _ = rows.index(chosen, seq_len + 1)
-    index = index[:, :-1]  # the input slots
-    real = index >= 0
-    document = np.where(real, documents.document_of(np.maximum(index, 0)), -1)
-    run_starts = real & np.concatenate([np.ones((len(chosen), 1), bool), document[:, 1:] != document[:, :-1]], 1)
-    column = np.arange(seq_len)[None, :]
-    run_start_column = np.maximum.accumulate(np.where(run_starts, column, 0), axis=1)
-    from_document_start = index - documents.starts[np.maximum(document, 0)]  # counting the BOS
-    holds_start = real & (from_document_start == column - run_start_column)
-    sees_another = real & (np.cumsum(run_starts, axis=1) > 1)
-    whole = documents.starts + documents.lengths  # a document is whole when one piece holds all of it
-    by_start = np.argsort(rows.start, kind="stable")
-    piece = by_start[np.maximum(np.searchsorted(rows.start[by_start], documents.starts, side="right") - 1, 0)]
-    is_whole = (rows.start[piece] <= documents.starts) & (whole <= rows.start[piece] + rows.length[piece])
-    n_real = real.sum()
-    return {
-        "rows": len(rows),
-        "documents": len(documents),
-        "documents_per_row": float(run_starts.sum(1).mean()),
-        "padding_share": float(1 - n_real / real.size),
-        "documents_split_or_cut": float(1 - is_whole.mean()),
-        "tokens_with_their_document_start_in_the_row": float(holds_start.sum() / max(1, n_real)),
-        "tokens_seeing_another_document_without_the_mask": float(sees_another.sum() / max(1, n_real)),
-    }
-
-
-def describe_packing(packing: str, stats: dict) -> str:
-    return (
-        f"packing={packing}: {stats['rows']:,} rows, {stats['documents_per_row']:.2f} documents a row, "
-        f"{stats['padding_share']:.1%} padding, {stats['documents_split_or_cut']:.1%} of documents split or cut, "
-        f"{stats['tokens_with_their_document_start_in_the_row']:.1%} of tokens with their document's start in "
-        f"the row, {stats['tokens_seeing_another_document_without_the_mask']:.1%} that could see another "
-        "document without the mask"
-        + (
-            f"; {stats['rows_left_out_each_epoch']:,} rows left out of each epoch (its last, partial global batch; "
-            "each epoch's shuffle leaves out others)"
-            if stats.get("rows_left_out_each_epoch")
-            else ""
-        )
-    )
-
-
 class PackedBatches:
     """A deterministic, resumable sequence of batches from one split: rows planned once from the data alone,
     shuffled each epoch by (seed, epoch), so runs of one seed see the same rows whatever their flags; the
@@ -380,11 +322,9 @@ class PackedBatches:
             return np.arange(len(self.rows))
         return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
 
-    def statistics(self) -> dict:
-        """The rows' packing statistics, and how many rows each training epoch leaves out: an epoch is whole
-        global batches, so `next` starts the next epoch before a remainder smaller than one."""
-        left_out = len(self.rows) % (self.batch_size * self.world_size) if self.shuffle else 0
-        return {**packing_statistics(self.documents, self.rows, self.seq_len), "rows_left_out_each_epoch": left_out}
+    def rows_left_out_each_epoch(self) -> int:
+        """An epoch is whole global batches: `next` starts the next epoch before a remainder smaller than one."""
+        return len(self.rows) % (self.batch_size * self.world_size) if self.shuffle else 0
 
     def batch(self, rows: np.ndarray, n_empty: int = 0) -> Batch:
         """These rows, then n_empty empty rows (all EOT inputs, no counted target)."""
@@ -430,9 +370,3 @@ def eot_positions(stream: np.ndarray, eot_id: int, chunk: int = 1 << 24) -> np.n
     """Positions of every EOT, read in chunks so a large split is never held in memory at once."""
     found = [np.flatnonzero(np.asarray(stream[i : i + chunk]) == eot_id) + i for i in range(0, len(stream), chunk)]
     return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
-
-
-def document_bounds(stream: np.ndarray, eot_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, ends) of the documents of a stream: each ends just after its EOT."""
-    ends = eot_positions(stream, eot_id) + 1
-    return np.concatenate([[0], ends[:-1]]).astype(np.int64), ends

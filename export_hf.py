@@ -28,18 +28,15 @@ from pathlib import Path
 import tiktoken
 import torch
 
-import checkpoints
 import sample
-from config import Config, ConfigError, run_main, script_settings, setting
-from data import DataError
+from cli import run_main, script_settings
+from config import Config, setting
+from errors import ConfigError, DataError, ExportError
 from model import GPT
-from shards import BOS_TEXT, EOT_TEXT, document_opening
+from run.checkpoint import read_checkpoint
+from shards import BOS_TEXT, EOT_TEXT, document_bounds, document_opening, load_shards
 
 LOGIT_TOLERANCE = 1e-4  # max |difference| of fp32 logits that the check accepts
-
-
-class ExportError(Exception):
-    """A run that cannot be exported, or an export that does not reproduce the run; printed as one line."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,7 +258,7 @@ def model_card(state: dict, out_dir: Path, config: dict) -> str:
 
 def export(out_dir: Path, to: Path, overwrite: bool = False) -> dict:
     """Write the Hugging Face folder `to` for the run in `out_dir`, check it, and return the check's figures."""
-    state = checkpoints.read_checkpoint(out_dir / "ckpt.pt")
+    state = read_checkpoint(out_dir / "ckpt.pt")
     pos_emb = state["model_config"].get("pos_emb")
     if pos_emb not in MAPPINGS:
         raise ExportError(f"{out_dir}: a model with pos_emb={pos_emb!r} has no Hugging Face mapping here")
@@ -343,9 +340,6 @@ def check(folder: Path, model: GPT, enc: tiktoken.Encoding, state: dict, lengths
 def validation_texts(state: dict, enc: tiktoken.Encoding, n: int = 64) -> list[str]:
     """Up to n validation documents of the run (when its shards are still there), and texts that
     tokenizers get wrong first: unicode, runs of whitespace, the literal end-of-text text."""
-    from data import document_bounds
-    from shards import load_shards
-
     texts = [
         "def f(x):\n    return x  # ünïcödé, 日本語, emoji 🙂\n\n\n\t\t  trailing   ",
         f"a literal {EOT_TEXT} inside a document, twice{EOT_TEXT}, and a literal {BOS_TEXT} too",

@@ -33,7 +33,6 @@ class GPTConfig:
     pos_emb: str = "learned"  # "learned" | "rope"
     rope_base: float = 10000.0
     attn_impl: str = "auto"  # "auto" (flex on CUDA, sdpa elsewhere) | "flex" | "sdpa"
-    flex_mask: str = "by_ids"  # the FlexAttention mask function (FLEX_MASK_FUNCTIONS): both are timed by bench
     flex_kernel_options: dict | None = None  # FlexAttention's kernel_options on CUDA (None: PyTorch's defaults)
 
 
@@ -49,13 +48,6 @@ def document_causal_dense(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal)[:, None]
 
 
-def positions_in_documents(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) int32: how far each slot is into its document's run in the row, whatever reset_position_ids."""
-    ids = doc_ids.contiguous()
-    first_slot = torch.searchsorted(ids, ids)  # document ids never decrease along a row
-    return (torch.arange(ids.shape[-1], device=ids.device) - first_slot).to(torch.int32)
-
-
 def document_causal_by_ids(doc_ids: torch.Tensor):
     """The mask function as the definition reads: causal, and the same document id (two gathers a score)."""
 
@@ -63,22 +55,6 @@ def document_causal_by_ids(doc_ids: torch.Tensor):
         return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
 
     return document_causal
-
-
-def document_causal_by_position(doc_ids: torch.Tensor):
-    """The same mask with one gather a score: a document is a contiguous run of its row, so key kv is in
-    query q's document iff it lies at most q's position in its document before q."""
-    within = positions_in_documents(doc_ids)
-
-    def document_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx <= within[b, q_idx])
-
-    return document_causal
-
-
-# by_ids is the default, timed on an H200 (results/bench_gpu_h200); `python -m studies.bench` times both:
-# make the other the default only where it is measured faster.
-FLEX_MASK_FUNCTIONS = {"by_ids": document_causal_by_ids, "by_position": document_causal_by_position}
 
 
 def document_causal_block_mask(doc_ids: torch.Tensor, mask_function=document_causal_by_ids) -> BlockMask:
@@ -106,14 +82,12 @@ def attention_impl(doc_mask: bool, attn_impl: str, device: torch.device) -> str:
     return "sdpa"
 
 
-def attention_mask(
-    doc_ids: torch.Tensor, doc_mask: bool, attn_impl: str = "auto", flex_mask: str = "by_ids"
-) -> AttentionMask:
+def attention_mask(doc_ids: torch.Tensor, doc_mask: bool, attn_impl: str = "auto") -> AttentionMask:
     """The doc_mask flag: its whole effect is this function. Once per batch, outside the compiled model."""
     if not doc_mask:
         return None
     if attention_impl(doc_mask, attn_impl, doc_ids.device) == "flex":
-        return document_causal_block_mask(doc_ids, FLEX_MASK_FUNCTIONS[flex_mask])
+        return document_causal_block_mask(doc_ids)
     return document_causal_dense(doc_ids)
 
 

@@ -21,6 +21,7 @@ import heapq
 import json
 import math
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -33,10 +34,11 @@ from pathlib import Path
 import numpy as np
 import tiktoken
 
-from config import DATA_SETTINGS, Config
+from cli import Progress, help_text, parse_config, run_main
+from config import DATA_SETTINGS, Config, prepared_settings
 from corpora import Source, describe_changes, file_kind, fingerprint, label, read_documents, resolve_dataset
-from data import DataError
-from files import ConfigError, Progress, check_writable_folder, exclusive_lock, shell_command
+from errors import ConfigError, DataError, interrupted_exit_code
+from run.folder import check_writable_folder, exclusive_lock
 from shards import (
     EOT_TEXT,
     SHARD_FORMAT_VERSION,
@@ -138,23 +140,9 @@ def _document_key(text: str, seed: int) -> tuple[int, float]:
     return int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little") / 2**64
 
 
-def deciding(settings: Config) -> dict:
-    """The settings that decide the shards' content, as hashed into the folder's name and kept in meta.json
-    (under the names they have always had there, so that folders prepared before are found again)."""
-    key = {"val_fraction": settings.val_fraction, "seed": settings.data_seed, "text_field": settings.text_field}
-    if settings.tokenizer == "bpe":
-        key.update(tokenizer="bpe", vocab_size=settings.tokenizer_vocab_size)
-        key.update(tokenizer_train_mb=settings.tokenizer_train_mb)
-    elif settings.tokenizer.endswith(".tiktoken") and Path(settings.tokenizer).is_file():
-        key.update(tokenizer=hashlib.sha256(Path(settings.tokenizer).read_bytes()).hexdigest())
-    else:
-        key.update(tokenizer=settings.tokenizer)
-    return key
-
-
 def shard_dir_for(data_dir: str, source: Source, settings: Config, inputs: list[list]) -> Path:
     """Readable, and unique to the corpus content and the settings that decide the shards."""
-    key = json.dumps([deciding(settings), source.builtin, source.single_file, inputs, SHARD_FORMAT_VERSION])
+    key = json.dumps([prepared_settings(settings), source.builtin, source.single_file, inputs, SHARD_FORMAT_VERSION])
     tok = f"bpe{settings.tokenizer_vocab_size}" if settings.tokenizer == "bpe" else label(Path(settings.tokenizer).stem)
     return Path(data_dir) / f"{source.label}-{tok}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
@@ -236,7 +224,7 @@ def _report_stale(data_dir: Path, source: Source, settings: Config, inputs: list
     for meta_path in data_dir.glob("*/meta.json"):
         try:  # a damaged earlier folder only means there is nothing to compare with
             meta = json.loads(meta_path.read_text())
-            if meta.get("source") == source.identity and meta.get("settings") == deciding(settings):
+            if meta.get("source") == source.identity and meta.get("settings") == prepared_settings(settings):
                 old_inputs = json.loads((meta_path.parent / "inputs.json").read_text())
                 prepared_at = read_timings(meta_path.parent).get("prepared_at", 0)
                 earlier.append((prepared_at, str(meta_path.parent), old_inputs))
@@ -299,7 +287,7 @@ def _prepare_into(out: Path, dataset: str, source: Source, settings: Config, inp
         "format_version": SHARD_FORMAT_VERSION,
         "dataset": dataset,
         "source": source.identity,
-        "settings": deciding(settings),
+        "settings": prepared_settings(settings),
         "tokenizer": settings.tokenizer,
         "tokenizer_name": enc.name,
         "tokenizer_trained_on": trained_on,
@@ -552,8 +540,6 @@ def prepare_for(cfg: Config, log=print) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    from config import help_text, interrupted_exit_code, parse_config
-
     if any(a in ("-h", "--help") for a in argv):
         print(help_text("\n\n".join(__doc__.split("\n\n")[:2]), keys=DATA_KEYS))
         return 0
@@ -587,13 +573,11 @@ def main(argv: list[str]) -> int:
     # quoted to paste: a dataset given as a glob ('fineweb/*.parquet') would otherwise be expanded by the shell
     deciding = [f"--{key}={getattr(cfg, key)}" for key in DATA_KEYS[1:] if getattr(cfg, key) != getattr(defaults, key)]
     print(
-        f"train on it with {shell_command(f'--dataset={cfg.dataset}', *deciding)} "
-        f"(or {shell_command(f'--dataset={path}')}, e.g. after copying {cfg.data_dir}/ elsewhere)"
+        f"train on it with {shlex.join([f'--dataset={cfg.dataset}', *deciding])} "
+        f"(or {shlex.join([f'--dataset={path}'])}, e.g. after copying {cfg.data_dir}/ elsewhere)"
     )
     return 0
 
 
 if __name__ == "__main__":
-    from config import run_main
-
     run_main(main)

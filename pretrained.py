@@ -16,6 +16,7 @@ What this model cannot compute exactly is refused in one line (ConfigError), bef
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +25,9 @@ import tiktoken
 import torch
 
 from config import Config
+from errors import ConfigError
 from export_hf import LINEARS as GPT2_LINEARS
 from export_hf import byte_characters
-from files import ConfigError
 from model import GPT, GPTConfig
 from shards import BOS_TEXT
 
@@ -112,6 +113,15 @@ def read_pretrained(folder: Path) -> Pretrained:
             f"{len(weights['wte.weight'])} rows"
         )
     return Pretrained(folder, settings, weights, vocabulary)
+
+
+def start_of(cfg: Config) -> Pretrained:
+    """The weights of the folder init_from names, with its model settings made the run's; read before out_dir
+    is touched, so that a folder that cannot serve is refused with nothing written (its tokenizer is compared
+    with the run's in train.build_model, before any run file)."""
+    start = read_pretrained(Path(cfg.init_from))
+    adopt_settings(cfg, start, print if int(os.environ.get("RANK", "0")) == 0 else lambda line: None)
+    return start
 
 
 def adopt_settings(cfg: Config, start: Pretrained, log: Callable[[str], None] = print) -> None:

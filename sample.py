@@ -16,10 +16,11 @@ from typing import NamedTuple
 import tiktoken
 import torch
 
-import checkpoints
-from config import MAX_SEED, ConfigError, resolve_device, run_main, script_settings, setting
-from data import DataError
+from cli import run_main, script_settings
+from config import MAX_SEED, resolve_device, setting
+from errors import ConfigError, DataError
 from model import GPT, GPTConfig
+from run.checkpoint import read_checkpoint
 from shards import decoded, document_opening, read_tiktoken, with_start_marker
 
 
@@ -61,7 +62,7 @@ class TrainedRun(NamedTuple):
 
 def load_run(out_dir: Path, device: torch.device, attn_impl: str | None = None) -> TrainedRun:
     """The trained model of a run folder (in eval mode), its tokenizer and its checkpoint."""
-    state = checkpoints.read_checkpoint(Path(out_dir) / "ckpt.pt")
+    state = read_checkpoint(Path(out_dir) / "ckpt.pt")
     return TrainedRun(trained_model(state, device, attn_impl), checkpoint_tokenizer(state), state)
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import tiktoken
 
-from data import DataError, eot_positions
+from data import eot_positions
+from errors import ConfigError, DataError
 
 EOT_TEXT = "<|endoftext|>"
 BOS_TEXT = "<|bos|>"  # the start marker's text, for decoding and the export; never read from text
@@ -167,6 +168,22 @@ def load_shards(path: Path) -> Shards:
     return Shards(meta=meta, train=streams["train"], val=streams["val"])
 
 
+def load_trained_on(path: Path, state: dict) -> tuple[Path, Shards]:
+    """The shard folder the checkpoint at `path` (its `state`) trained on, loaded: a resumed run trains on it
+    or not at all."""
+    folder = Path(state["shards"])
+    try:
+        prepared = load_shards(folder)
+    except DataError as e:
+        raise ConfigError(
+            f"{path} trained on the shards in {folder}, which cannot be read now ({e}); a resumed run trains on "
+            "the data it started on: restore that folder, or start a new run"
+        ) from None
+    if state["tokenizer_sha256"] != prepared.meta["tokenizer_sha256"]:
+        raise ConfigError(f"{path} was trained with another tokenizer than the shards in {folder}")
+    return folder, prepared
+
+
 def load_tokenizer(path: Path) -> tiktoken.Encoding:
     """The tokenizer saved beside prepared shards (works offline)."""
     meta, tokenizer = json.loads((Path(path) / "meta.json").read_text()), Path(path) / "tokenizer.tiktoken"
@@ -258,3 +275,9 @@ def decoded(enc: tiktoken.Encoding, ids: list[int]) -> str:
     vocabulary is padded to a multiple of 64)."""
     ids = ids[: ids.index(enc.eot_token)] if enc.eot_token in ids else ids
     return enc.decode([t for t in ids if t < enc.n_vocab and t not in enc._special_tokens.values()])
+
+
+def document_bounds(stream: np.ndarray, eot_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of the documents of a stream: each ends just after its EOT."""
+    ends = eot_positions(stream, eot_id) + 1
+    return np.concatenate([[0], ends[:-1]]).astype(np.int64), ends

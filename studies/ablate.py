@@ -39,17 +39,21 @@ import dataclasses
 import json
 import os
 import platform
+import shlex
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
+import api
 import data
-import files
-import train
-from config import NOT_DECIDING, Config, ConfigError, help_text, interrupted_exit_code, resolve_device, run_main
+from cli import Progress, help_text, run_main
+from config import NOT_DECIDING, Config, resolve_device
+from errors import ConfigError, DataError, SaveFailed, Stopped, TrainingDiverged, interrupted_exit_code
 from prepare import prepare_for
+from reports import packing_statistics
+from run.folder import check_writable_folder, read_metrics, write_atomically
 from shards import Shards, content_digests, digest_of, load_shards, load_tokenizer
 from studies import import_leak
 from studies.plan import Study, check_against, parse_args, run_config, run_order, seeds_of_cells
@@ -67,7 +71,7 @@ def packing_regime(shards: Shards, seq_len: int, bos_id: int | None = None) -> d
     """How much packing matters at this seq_len: documents per concat row (counting a document cut by the
     row's start or end) and the fraction of tokens that can see another document without the mask."""
     documents = data.Documents(shards.train, shards.eot_id, bos_id)
-    stats = data.packing_statistics(documents, data.concat_rows(documents, seq_len), seq_len, max_rows=4096)
+    stats = packing_statistics(documents, data.concat_rows(documents, seq_len), seq_len, max_rows=4096)
     return {
         "documents_per_row": stats["documents_per_row"],
         "tokens_seeing_another_document": stats["tokens_seeing_another_document_without_the_mask"],
@@ -132,18 +136,18 @@ def check_data(out: Path, shard_path: Path) -> str:
     lines = [f"{digest}  {shard_path.name}/{name}" for name, digest in digests.items()]
     if not record.exists():
         out.mkdir(parents=True, exist_ok=True)
-        files.write_atomically(record, "\n".join(lines) + "\n")
+        write_atomically(record, "\n".join(lines) + "\n")
         return digest_of(digests)
     try:
         recorded = dict(line.split(maxsplit=1)[::-1] for line in record.read_text().splitlines() if line.strip())
     except (ValueError, UnicodeDecodeError):
-        raise data.DataError(
+        raise DataError(
             f"{record} is damaged (not 'digest  file' lines): restore it from the study's results"
         ) from None
     now = dict(line.split(maxsplit=1)[::-1] for line in lines)
     differing = sorted(name for name in recorded.keys() | now.keys() if recorded.get(name) != now.get(name))
     if differing:
-        raise data.DataError(
+        raise DataError(
             f"the prepared data differ from what this study recorded in {record}: {', '.join(differing)}; "
             "prepare it as the study's README says, or give the study another out_dir"
         )
@@ -169,10 +173,10 @@ def run_one(cfg: Config, study: Study, decided: dict, offsets: list[int]) -> dic
     if done.exists():
         return json.loads(done.read_text())["result"]
     out.mkdir(parents=True, exist_ok=True)
-    files.write_atomically(started, json.dumps({"decided_by": decided}))
+    write_atomically(started, json.dumps({"decided_by": decided}))
     cfg.resume = (out / "ckpt.pt").exists()  # a run interrupted earlier continues from its checkpoint
-    train.train(cfg)  # a stop signal ends it with train.Stopped, its checkpoint saved
-    records = [record for _, record in files.read_metrics(out / "metrics.jsonl")]
+    api.run(cfg)  # a stop signal ends it with Stopped, its checkpoint saved
+    records = [record for _, record in read_metrics(out / "metrics.jsonl")]
     train_records = [r for r in records if "train_loss" in r]
     evals = [r for r in records if "val_doc_loss" in r]
     result = {
@@ -189,7 +193,7 @@ def run_one(cfg: Config, study: Study, decided: dict, offsets: list[int]) -> dic
     if study.import_leak:
         result["import_leak"] = import_leak.probe_run(out, resolve_device(cfg.device), study.leak_pairs)
     # a run counts as finished only once its probes are written
-    files.write_atomically(done, json.dumps({"result": result, "decided_by": decided}))
+    write_atomically(done, json.dumps({"result": result, "decided_by": decided}))
     return result
 
 
@@ -236,7 +240,7 @@ def main(argv: list[str], command: list[str] | None = None) -> int:
         print(usage())
         return 0
     command = command or ["python", "-m", "studies.ablate", *argv]
-    again = files.shell_command(*command)
+    again = shlex.join(command)
     try:
         study, base = parse_args(argv)
         check_against(study, base)
@@ -246,7 +250,7 @@ def main(argv: list[str], command: list[str] | None = None) -> int:
         if base.max_iters < 1:
             raise ConfigError("max_iters must be at least 1 for a study")
         out = Path(study.out_dir)
-        files.check_writable_folder(out, "out_dir")  # before any work: the study ends by writing its report here
+        check_writable_folder(out, "out_dir")  # before any work: the study ends by writing its report here
         shard_path, shards, data_digest = study_data(base, out, study.threads)
         bos_id = marker_id(shards, base)
         pad_factor = pad_steps_factor(shards, base.seq_len, bos_id)
@@ -265,10 +269,10 @@ def main(argv: list[str], command: list[str] | None = None) -> int:
             planned.append((pos, variant, seed, cfg, decided))
         runs = train_planned(planned, study, offsets)
         write_report(runs, study, offsets, base, regime, pad_factor, out, environment(command))
-    except (ConfigError, data.DataError, train.TrainingDiverged, files.SaveFailed) as e:
+    except (ConfigError, DataError, TrainingDiverged, SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except train.Stopped as e:  # the first stop signal: the run in training saved its checkpoint
+    except Stopped as e:  # the first stop signal: the run in training saved its checkpoint
         print(
             f"interrupted: {e} stopped {e.out_dir} after step {e.step} with its checkpoint saved; exit "
             f"{interrupted_exit_code(e)} (the study is unfinished); continue it with: {again}",
@@ -287,7 +291,7 @@ def train_planned(planned: list[tuple], study: Study, offsets: list[int]) -> dic
     runs: dict = {pos: {v: {} for v in study.variants} for pos in study.pos_embs}
     to_train = sum(1 for *_, cfg, _ in planned if not (Path(cfg.out_dir) / "result.json").exists())
     # printed here once after every run, so the Progress itself prints nothing: it only keeps the ETA
-    progress = files.Progress(
+    progress = Progress(
         to_train, lambda p: f"=== study: {p.done:.0f}/{p.total:.0f} runs trained, ETA {p.eta()}", lambda line: None
     )
     for i, (pos, variant, seed, cfg, decided) in enumerate(planned):

@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import checkpoints
 import sample
-from config import ConfigError, run_main
-from data import DataError
+from cli import run_main
+from errors import ConfigError, DataError
 from prepare import prepare_for
+from run.checkpoint import read_checkpoint
 from shards import load_shards
 from studies import ablate, stats
 from studies.plan import parse_args
@@ -84,7 +84,7 @@ def count_parameters(cell: Path) -> int:
     checkpoint = next(cell.glob("seed*/ckpt.pt"), None)
     if checkpoint is None:
         raise ConfigError(f"{cell} holds no run's ckpt.pt to count the model's parameters from")
-    state = checkpoints.read_checkpoint(checkpoint)
+    state = read_checkpoint(checkpoint)
     return sample.trained_model(state, torch.device("cpu")).num_params()
 
 

@@ -35,14 +35,16 @@ import numpy as np
 import tiktoken
 import torch
 
-import data
-import files
+import api
 import sample
 import shards
-import train
-from config import Config, ConfigError, resolve_device, run_main, script_settings, setting
+from cli import run_main, script_settings
+from config import Config, resolve_device, setting
 from data import Flags
+from errors import ConfigError, DataError, SaveFailed
 from model import GPT, attention_mask
+from run.folder import write_atomically
+from shards import document_bounds
 from studies.scoring import score_rows
 from studies.stats import paired_effect
 from studies.tables import markdown_table
@@ -240,9 +242,9 @@ def sample_import_lines(
         if not open_rows:
             break
         length = max(len(rows[r]) for r in open_rows)  # as long as needed: causal, so nothing changes
-        batch = data.batch_of_rows([np.array(rows[r]) for r in open_rows], length, eot, flags=flags).to(device)
+        batch = api.batch_of_rows([np.array(rows[r]) for r in open_rows], length, eot, flags=flags).to(device)
         mask = attention_mask(batch.doc_ids, batch.doc_mask, model.config.attn_impl)
-        with train.autocast(device, dtype):
+        with api.precision(device, dtype):
             logits = model(batch.inputs, batch.position_ids, mask)
         last = torch.tensor([len(rows[r]) - 1 for r in open_rows], device=device)
         probs = torch.softmax(logits[torch.arange(len(open_rows), device=device), last].float(), dim=-1)
@@ -265,7 +267,7 @@ def fitting_pairs(pairs: list[LeakPair], seq_len: int) -> list[LeakPair]:
     needed = [len(p.preceding[1, 0]) + len(p.context) + max(map(len, p.continuations)) - 1 for p in pairs]
     fitting = [p for p, n in zip(pairs, needed) if n <= seq_len]
     if len(fitting) < 2:
-        raise data.DataError(
+        raise DataError(
             f"{len(fitting)} of the {len(pairs)} import-leak pairs fit in a row of seq_len {seq_len} with one file "
             f"before B (the shortest needs {min(needed, default=0)}): the probe needs a run with a longer seq_len"
         )
@@ -282,7 +284,7 @@ def probe(
     dtype: str = "auto",
 ) -> dict:
     """Both measures on the pairs that fit in a row with one file before B, with 95% confidence intervals
-    over pairs, in the compute precision `dtype` (train.autocast)."""
+    over pairs, in the compute precision `dtype` (api.precision)."""
     pairs = fitting_pairs(pairs, model.config.seq_len)
     logp = import_logprob(model, flags, enc.eot_token, pairs, device, dtype)
     alone, neutral = logp[None], logp["neutral"]
@@ -339,10 +341,10 @@ def probe(
 def validation_pairs(prepared: shards.Shards, enc: tiktoken.Encoding, n_pairs: int) -> list[LeakPair]:
     """Up to n_pairs pairs from the validation split's first documents; a DataError when there are not 2."""
     val = shards.leading_documents(prepared.val, prepared.eot_id, VAL_TOKENS)[:]
-    texts = [enc.decode(val[s : e - 1].tolist()) for s, e in zip(*data.document_bounds(val, prepared.eot_id))]
+    texts = [enc.decode(val[s : e - 1].tolist()) for s, e in zip(*document_bounds(val, prepared.eot_id))]
     pairs = find_pairs(texts, enc, n_pairs)
     if len(pairs) < 2:
-        raise data.DataError(
+        raise DataError(
             f"the validation split gives {len(pairs)} import-leak pair(s) from {len(texts)} documents: the probe "
             "needs whole Python files (e.g. dataset=stdlib-files)"
         )
@@ -399,8 +401,8 @@ def main(argv: list[str]) -> int:
     try:
         result = probe_run(Path(args.out_dir), resolve_device(args.device), args.pairs, args.samples)
         print(format_table(result))
-        files.write_atomically(Path(args.out_dir) / "import_leak.json", json.dumps(result, indent=1))
-    except (ConfigError, data.DataError, files.SaveFailed) as e:
+        write_atomically(Path(args.out_dir) / "import_leak.json", json.dumps(result, indent=1))
+    except (ConfigError, DataError, SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import files
-import train
-from config import ConfigError, run_main
-from model import GPT
+import api
+from cli import run_main
+from errors import ConfigError, SaveFailed
+from run.folder import check_writable_folder, write_atomically
 from studies.plan import VARIANTS, Study, parse_args
 from studies.report import ENDPOINT_NAMES, describe_effect, save_figure, saved_runs, settings_changed, summarise
 from studies.tables import markdown_table
@@ -60,7 +61,7 @@ def read_rung(config: str, studies_dir: Path | None) -> Rung | None:
     folder = Path(study.out_dir) if studies_dir is None else studies_dir / Path(study.out_dir).name
     results = folder / "results.json"
     if not results.is_file():
-        run = files.shell_command("python", "-m", "studies.ablate", config)
+        run = shlex.join(["python", "-m", "studies.ablate", config])
         how = f"run: {run}, or read the committed rungs with --studies_dir=results"
         print(f"{config}: no {results} yet ({how}); left out", file=sys.stderr)
         return None
@@ -77,7 +78,7 @@ def read_rung(config: str, studies_dir: Path | None) -> Rung | None:
             "give the config it ran with, or run the study again"
         )
     vocab = base.tokenizer_vocab_size + base.bos
-    parameters = GPT(train.model_settings(base, vocab)).num_params()
+    parameters = api.parameter_count(base, vocab)
     tokens = base.max_iters * base.batch_size * base.grad_accum * base.seq_len
     shift = late_band_shift(runs, summary, study, offsets, base.seq_len) if base.bos and study.late_band else None
     return Rung(config, tokens, parameters, summary, shift)
@@ -205,12 +206,12 @@ def main(argv: list[str]) -> int:
         if not rungs:
             raise ConfigError("no rung has finished: nothing to report")
         rungs.sort(key=lambda rung: rung.tokens)
-        files.check_writable_folder(out, "out_dir")
+        check_writable_folder(out, "out_dir")
         report = "\n".join(["# The ladder: each verdict at each rung", "", *ladder_tables(rungs), *shift_notes(rungs)])
         plot(rungs, out)  # first: a figure that cannot be drawn leaves the old tables whole
-        files.write_atomically(out / "ladder.md", report)
-        files.write_atomically(out / "ladder.json", json.dumps([dataclasses.asdict(r) for r in rungs], indent=1))
-    except (ConfigError, files.SaveFailed) as e:
+        write_atomically(out / "ladder.md", report)
+        write_atomically(out / "ladder.json", json.dumps([dataclasses.asdict(r) for r in rungs], indent=1))
+    except (ConfigError, SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(report)

@@ -10,17 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-import train
-from config import (
-    Config,
-    ConfigError,
-    check_bounds,
-    command_line_values,
-    read_config_file,
-    setting,
-    settings_from,
-    validate,
-)
+import api
+from cli import check_bounds, command_line_values, read_config_file, settings_from
+from config import Config, setting, validate
+from errors import ConfigError
 
 POSITION_KINDS = ("learned", "rope")
 VARIANTS = {  # name: the train.py settings it changes from the study's own settings (the reference)
@@ -289,9 +282,9 @@ def run_config(base: Config, pos_emb: str, variant: str, seed: int, out_dir: Pat
     cfg = dataclasses.replace(
         base, pos_emb=pos_emb, seed=seed, out_dir=str(out_dir), sample_tokens=0, **VARIANTS[variant]
     )
-    # every run evaluates on the same documents: an automatic budget is fixed before pad's schedule stretches
-    cfg.eval_tokens = train.eval_token_budget(cfg)
-    cfg.warmup_iters = train.warmup_steps(cfg)  # a default warmup is a tenth of the reference's steps, also for pad
+    # every run evaluates on the same documents: an automatic budget is fixed before pad's schedule stretches;
+    # a default warmup is a tenth of the reference's steps, also for pad
+    cfg.warmup_iters, cfg.eval_tokens = api.resolved(cfg)
     if variant == "pad":  # the same real training tokens: more steps, with the schedule stretched to match
         # (pad_equal_compute keeps the packed run's steps: the same FLOPs, fewer real tokens)
         for key in ("max_iters", "warmup_iters", "eval_interval"):

@@ -15,8 +15,9 @@ import torch
 import data
 import sample
 from config import Config, resolve_device
+from errors import DataError
 from model import GPT
-from shards import Shards, TokenStream, leading_documents, load_shards
+from shards import Shards, TokenStream, document_bounds, leading_documents, load_shards
 from studies.scoring import score_rows, target_losses
 
 
@@ -34,10 +35,10 @@ def leading_stream(val: TokenStream, eot_id: int, n_docs: int, seq_len: int) -> 
 def probe_documents(val: np.ndarray, eot_id: int, n_docs: int, window: int) -> tuple[list[np.ndarray], np.ndarray]:
     """The first n_docs validation documents (their first `window` tokens plus one), and a stream of
     later ones to fill rows with."""
-    starts, ends = data.document_bounds(val, eot_id)
+    starts, ends = document_bounds(val, eot_id)
     docs = [val[s : min(e, s + window + 1)].astype(np.int64) for s, e in zip(starts, ends) if e - s >= 2]
     if len(docs) < n_docs + 2:
-        raise data.DataError(
+        raise DataError(
             f"the validation split has {len(docs)} documents where the probes look; they need {n_docs + 2}: "
             "lower probe_docs or raise val_fraction"
         )
@@ -68,7 +69,7 @@ def probe_inputs(
         head = documents.tokens(np.arange(documents.n_tokens))
     docs, filler = probe_documents(head, shards.eot_id, n_docs, seq_len - max(offsets))
     if len(filler) < len(docs) * max(offsets):  # each document's own k tokens of other documents
-        raise data.DataError(
+        raise DataError(
             f"the validation split has {len(filler):,} tokens after the probe documents; the offset probe needs "
             f"{len(docs) * max(offsets):,}: lower probe_docs or probe_offsets, or raise val_fraction"
         )
@@ -106,7 +107,7 @@ def start_after_eot(model: GPT, cfg: Config, shards: Shards, device: torch.devic
     the same as alone). By position as the evaluation's `val_doc_*_by_position`, and the first text token,
     predicted from the EOT and scored here although the boundary loss mask ignores it in training."""
     val = np.asarray(leading_documents(shards.val, shards.eot_id, cfg.eval_tokens))
-    starts, ends = data.document_bounds(val, shards.eot_id)
+    starts, ends = document_bounds(val, shards.eot_id)
     rows = [np.append(shards.eot_id, val[s : min(e, s + cfg.seq_len)]) for s, e in zip(starts, ends)]
     flags = dataclasses.replace(cfg.flags, mask_boundary_loss=False)  # score the first text token too
     sums, counts = np.zeros(cfg.seq_len), np.zeros(cfg.seq_len, dtype=np.int64)

@@ -18,14 +18,17 @@ import dataclasses
 import functools
 import json
 import math
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
-import files
-from config import NOT_DECIDING, Config, ConfigError, run_main, settings_from
+from cli import run_main, settings_from
+from config import NOT_DECIDING, Config
+from errors import ConfigError, SaveFailed
+from run.folder import check_writable_folder, replace_atomically, write_atomically
 from studies import import_leak, stats
 from studies.plan import (
     BASELINES,
@@ -42,9 +45,7 @@ from studies.tables import markdown_table
 
 def save_figure(figure, path: Path) -> None:
     """A matplotlib figure, written atomically."""
-    files.replace_atomically(
-        path, functools.partial(figure.savefig, format=path.suffix[1:], dpi=110, bbox_inches="tight")
-    )
+    replace_atomically(path, functools.partial(figure.savefig, format=path.suffix[1:], dpi=110, bbox_inches="tight"))
 
 
 def band_loss(
@@ -488,7 +489,7 @@ def write_report(
         "runs": runs,
     }
     saved["summary"] = summarise(runs, study, offsets)
-    files.write_atomically(out / "results.json", json.dumps(saved))
+    write_atomically(out / "results.json", json.dumps(saved))
     report_from(saved, out)
 
 
@@ -544,7 +545,7 @@ def report_from(saved: dict, out: Path) -> None:
     summary = summarise(runs, study, offsets)
     report = format_report(summary, saved["environment"], study, offsets, base, saved)
     plot(runs, summary, study, offsets, out)  # first: a figure that cannot be drawn leaves the old report whole
-    files.write_atomically(out / "results.md", report)
+    write_atomically(out / "results.md", report)
     print("\n" + report)
     leak_figure = ", import_leak.png" if study.import_leak else ""
     print(f"wrote {out / 'results.md'}, effects.png, loss_by_position.png, offset_probe.png{leak_figure}")
@@ -563,7 +564,7 @@ def output_folder(results: Path, out_dir: str | None) -> Path:
     """Where the report goes: --out_dir, else beside its results.json, unless git tracks that folder: a
     committed report is rewritten only when its folder is named."""
     if out_dir is not None:
-        files.check_writable_folder(Path(out_dir), "out_dir")
+        check_writable_folder(Path(out_dir), "out_dir")
         return Path(out_dir)
     if tracked_by_git(results.parent):
         raise ConfigError(
@@ -588,7 +589,7 @@ def load_saved(path: Path, config: str | None) -> dict:
     if "config" not in saved:
         raise ConfigError(
             f"{path} does not record its training settings (studies before 2026-12-02): give the study's "
-            f"config as well: {files.shell_command('python', '-m', 'studies.report', str(path))} CONFIG.toml"
+            f"config as well: {shlex.join(['python', '-m', 'studies.report', str(path)])} CONFIG.toml"
         )
     return saved
 
@@ -614,7 +615,7 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
-    except (ConfigError, files.SaveFailed) as e:
+    except (ConfigError, SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import data
-import train
+import api
 from data import Flags
 from model import GPT
 
@@ -22,16 +21,16 @@ def target_losses(
     dtype: str = "auto",
     batch_rows: int = 32,
 ) -> list[np.ndarray]:
-    """For each row (its inputs and last target, laid out by data.batch_of_rows under `flags`), the loss of
+    """For each row (its inputs and last target, laid out by api.batch_of_rows under `flags`), the loss of
     each of its len(row) - 1 targets, NaN where a target does not count, in the run's compute precision
     `dtype`. A batch's rows are as long as its longest: attention is causal, so what comes after a target
     changes nothing."""
     out = []
     for i in range(0, len(rows), batch_rows):
         chunk = rows[i : i + batch_rows]
-        batch = data.batch_of_rows(chunk, max(len(row) for row in chunk) - 1, eot_id, flags=flags)
-        with train.autocast(device, dtype):
-            losses, counted = train.token_losses(model, batch.to(device), model.config)
+        batch = api.batch_of_rows(chunk, max(len(row) for row in chunk) - 1, eot_id, flags=flags)
+        with api.precision(device, dtype):
+            losses, counted = api.losses(model, batch.to(device))
         losses = torch.where(counted, losses.double(), torch.nan).cpu().numpy()
         out += [losses[r, : len(row) - 1] for r, row in enumerate(chunk)]
     return out

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from data import IGNORE_INDEX
+from run.checkpoint import save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,13 +74,11 @@ def reference_semantics(x: list[int], y: list[int], eot: int) -> tuple[list[int]
 
 
 def rewrite_checkpoint(path: Path, change, to: Path | None = None) -> None:
-    """A checkpoint with `change(state)` applied and its digest written anew: a deliberate edit, which
-    checkpoints then reads as a valid checkpoint (an edit without a new digest is refused as damage)."""
+    """A checkpoint with `change(state)` applied and saved anew, its CRC-32s with it: a deliberate edit, which
+    reads as a valid checkpoint (a byte changed in the file without new CRC-32s is refused as damage)."""
     import torch
-
-    import checkpoints
 
     state = torch.load(path, map_location="cpu", weights_only=False)
     state.pop("content_sha256", None)
     change(state)
-    checkpoints.save_checkpoint(to or path, state)
+    save_checkpoint(to or path, state)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-import files
-from config import Config, ConfigError
-from data import DataError
+import cli
+from config import Config
+from errors import ConfigError, DataError, SaveFailed
 from studies import ablate, plan, report, stats
 
 
@@ -141,7 +141,7 @@ def test_a_figure_that_cannot_be_written_leaves_the_old_report_whole(tmp_path, m
     (tmp_path / "results.md").write_text("the report of the figures beside it")
 
     def disk_full(*args):
-        raise files.SaveFailed("effects.png could not be written: no space left on device")
+        raise SaveFailed("effects.png could not be written: no space left on device")
 
     monkeypatch.setattr(report, "plot", disk_full)
     assert report.main([str(saved), str(ROOT / "configs/ablate_cpu_stage2.toml")]) == 1
@@ -579,7 +579,7 @@ def test_a_study_prints_its_progress_line_once_after_each_run_trained(tmp_path, 
     (tmp_path / "seed1").mkdir()
     (tmp_path / "seed1" / "result.json").write_text("{}")  # finished before: skipped, not counted
     clock = iter(range(0, 10**6, 60))  # a minute between any two looks at the clock: any rate limit is past
-    monkeypatch.setattr(files.time, "time", lambda: next(clock))
+    monkeypatch.setattr(cli.time, "time", lambda: next(clock))
     monkeypatch.setattr(ablate, "run_one", lambda cfg, study, decided, offsets: {"val_doc_loss": 1.0})
     runs = ablate.train_planned(planned, plan.Study(variants=["reference"], pos_embs=["learned"]), [1])
     progress = [line.split(", ETA")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("=== study")]

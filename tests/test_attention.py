@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 import model
+from bench.attention import document_causal_by_position, positions_in_documents
 from data import document_ids
 from model import (
     GPT,
@@ -20,9 +21,7 @@ from model import (
     compiled_flex_attention,
     document_causal_block_mask,
     document_causal_by_ids,
-    document_causal_by_position,
     document_causal_dense,
-    positions_in_documents,
 )
 
 EOT = 99
@@ -70,7 +69,7 @@ def test_positions_in_documents_restart_on_each_document_of_the_worked_example()
 def test_positions_in_documents_are_the_reset_positions_of_any_batch_padding_included():
     import numpy as np
 
-    from data import batch_of_rows
+    from api import batch_of_rows
 
     rng = np.random.default_rng(0)
     stream = rng.integers(0, EOT, 4 * 65).astype(np.int64)
@@ -179,7 +178,7 @@ def test_bench_script_runs_and_reports_every_variant(tmp_path):
         f"--out={out}",
     ]
     result = subprocess.run(
-        [sys.executable, "-m", "studies.bench", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "bench.attention", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -205,7 +204,7 @@ def test_bench_script_runs_and_reports_every_variant(tmp_path):
 def test_bench_records_a_failing_variant_and_goes_on(tmp_path, monkeypatch):
     import json
 
-    from studies import bench
+    from bench import attention as bench
 
     out = tmp_path / "bench.json"
     written = []
@@ -232,7 +231,7 @@ def test_bench_records_a_failing_variant_and_goes_on(tmp_path, monkeypatch):
 
 
 def test_every_empty_benchmark_cell_says_why():
-    from studies import bench
+    from bench import attention as bench
 
     common = {"seq_len": 64, "batch_size": 2, "layout": "synthetic", "docs_per_row": 1.0, "ideal_doc_mask_speedup": 1.0}
     timed = {"step_ms": 2.0, "tokens_per_sec": 64.0, "mfu": 0.1, "mfu_doc": 0.1}

@@ -13,8 +13,8 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import train
+from api import batch_of_rows
 from config import Config
-from data import batch_of_rows
 from model import GPT, GPTConfig, attention_mask
 
 EOT = 63

@@ -18,7 +18,8 @@ import corpora
 import prepare
 import shards
 from config import Config
-from data import DataError, PackedBatches
+from data import PackedBatches
+from errors import DataError
 from shards import BOS_TEXT, EOT_TEXT, TokenStream, load_shards, load_tokenizer, start_marker_id, tiktoken_encoding
 
 SMALL = Config(tokenizer_vocab_size=300, val_fraction=0.25)
@@ -530,7 +531,7 @@ def test_data_benchmark_runs_at_a_tiny_size(tmp_path):
     command = [
         sys.executable,
         "-m",
-        "studies.bench_data",
+        "bench.preparation",
         "--gb=0.002",
         f"--work_dir={tmp_path / 'work'}",
         f"--out={out}",
@@ -544,7 +545,7 @@ def test_data_benchmark_runs_at_a_tiny_size(tmp_path):
     assert len({report[f"prepare_{run}"]["tokens"] for run in ("bpe", "jsonl", "parquet")}) == 1
     assert "| prepare parquet |" in result.stdout and report["raw_tiktoken"]["tokens"] > 0
     bad = subprocess.run(
-        [sys.executable, "-m", "studies.bench_data", "--gb=0"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "bench.preparation", "--gb=0"], cwd=ROOT, capture_output=True, text=True
     )
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1
 

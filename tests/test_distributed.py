@@ -81,7 +81,7 @@ def gradient_setup():
     import numpy as np
     import torch
 
-    from data import batch_of_rows
+    from api import batch_of_rows
     from model import GPT, GPTConfig
 
     torch.manual_seed(0)

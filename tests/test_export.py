@@ -12,14 +12,14 @@ import torch
 import transformers
 from conftest import rewrite_checkpoint, tiny_args
 
-import checkpoints
-import data
 import export_hf
-import files
 import sample
 import train
-from config import Config, parse_config
-from shards import BOS_TEXT, EOT_TEXT, decoded, document_opening, leading_documents, load_shards
+from cli import parse_config
+from config import Config
+from run.checkpoint import read_checkpoint
+from run.folder import read_metrics
+from shards import BOS_TEXT, EOT_TEXT, decoded, document_bounds, document_opening, leading_documents, load_shards
 
 pytestmark = pytest.mark.slow  # every test here trains a model first
 
@@ -43,7 +43,7 @@ def exported(run, tmp_path_factory):
 
 
 def ours(run):
-    state = checkpoints.read_checkpoint(run / "ckpt.pt")
+    state = read_checkpoint(run / "ckpt.pt")
     return sample.trained_model(state, torch.device("cpu")), sample.checkpoint_tokenizer(state), state
 
 
@@ -152,8 +152,8 @@ def test_lm_evaluation_harness_scores_a_document_as_the_run_did(exported, run):
     cfg = Config(**state["config"])
     shards = load_shards(state["shards"])
     val = leading_documents(shards.val, shards.eot_id, cfg.eval_tokens)
-    starts, ends = data.document_bounds(val, shards.eot_id)
-    logged = [r for _, r in files.read_metrics(run / "metrics.jsonl") if "val_doc_loss" in r][-1]
+    starts, ends = document_bounds(val, shards.eot_id)
+    logged = [r for _, r in read_metrics(run / "metrics.jsonl") if "val_doc_loss" in r][-1]
     prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     T = lm_eval_context(hf.config)
     assert T == cfg.seq_len

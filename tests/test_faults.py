@@ -24,14 +24,16 @@ import torch
 from conftest import ROOT, make_documents, tiny_args
 
 import corpora
-import files
 import prepare
 import sample
 import shards
 import train
-from config import Config, ConfigError, parse_config
-from data import DataError
+from cli import parse_config
+from config import Config
+from errors import ConfigError, DataError, Stopped
 from model import GPT, GPTConfig
+from run import processes
+from run.folder import RunFiles, hold
 
 SMALL = Config(tokenizer_vocab_size=300)
 QUIET = dict(log=lambda *_: None)
@@ -293,7 +295,7 @@ def test_a_full_disk_or_a_file_size_limit_while_preparing_or_benchmarking_is_one
     assert complete_folders(tmp_path / "data") == [] and not list((tmp_path / "data").glob(".*.tmp-*"))
     bench = python(
         "-m",
-        "studies.bench",
+        "bench.attention",
         f"--out={tmp_path / 'bench.json'}",
         "--steps=1",
         "--warmup=0",
@@ -357,8 +359,8 @@ def test_resuming_by_name_keeps_the_saved_settings_and_names_what_may_not_change
     args, uninterrupted = reference_run
     out = tmp_path / "run"
     ctrl_c_at_step_6 = lambda self, step, every, device: signal.SIGINT * (step == 6)  # noqa: E731
-    monkeypatch.setattr(train.StopRequest, "agreed", ctrl_c_at_step_6)
-    with pytest.raises(train.Stopped):
+    monkeypatch.setattr(processes.StopRequest, "agreed", ctrl_c_at_step_6)
+    with pytest.raises(Stopped):
         train.train(parse_config(args(out)))
     monkeypatch.undo()
     cfg = parse_config([f"--out_dir={out}", "--resume=true"])
@@ -580,8 +582,8 @@ def test_a_moved_run_resumes_where_it_is_and_overwrite_keeps_the_old_run_until_i
     assert cfg.out_dir == str(moved)  # not the folder its config.json was written in
     train.train(cfg)
     assert not first.exists() and torch.load(moved / "ckpt.pt", weights_only=False)["step"] == 6
-    with files.hold(moved, resume=False, overwrite=True):
-        run_files = files.RunFiles(moved, "new", fresh=True)  # a kill now leaves the old run whole
+    with hold(moved, resume=False, overwrite=True):
+        run_files = RunFiles(moved, "new", fresh=True)  # a kill now leaves the old run whole
         assert run_files.path("ckpt.pt") == moved / ".replacing" / "ckpt.pt" and (moved / "ckpt.pt").exists()
     tried("moved or replaced run folder", 2)
 

@@ -3,7 +3,8 @@
 import numpy as np
 import torch
 
-from data import IGNORE_INDEX, Flags, batch_of_rows
+from api import batch_of_rows
+from data import IGNORE_INDEX, Flags
 from model import GPT, GPTConfig, attention_mask
 
 EOT = 63

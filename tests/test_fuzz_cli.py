@@ -25,8 +25,10 @@ from hypothesis import strategies as st
 
 import sample
 import train
+from bench import attention as bench
+from cli import run_main
 from config import Config
-from studies import ablate, bench
+from studies import ablate
 
 pytestmark = pytest.mark.slow  # every test here runs the scripts' main functions
 
@@ -233,7 +235,7 @@ def test_stdout_on_a_full_device_is_one_error_line_from_every_entry_point(monkey
         monkeypatch.setattr(sys, "argv", [name, "--help"])
         monkeypatch.setattr(config, "_silence_stdout", lambda: None)  # pytest owns the real stdout
         with pytest.raises(SystemExit) as ended:
-            config.run_main(module.main)
+            run_main(module.main)
         monkeypatch.setattr("builtins.print", real_print)
         assert ended.value.code == 1, name
         err = capsys.readouterr().err
@@ -242,6 +244,6 @@ def test_stdout_on_a_full_device_is_one_error_line_from_every_entry_point(monkey
 
 ENTRY_POINTS = (
     *("train", "sample", "prepare", "export_hf"),
-    *("studies.ablate", "studies.bench", "studies.bench_checkpoint", "studies.bench_data", "studies.bench_packing"),
+    *("studies.ablate", "bench.attention", "bench.preparation", "bench.packing"),
     *("studies.import_leak", "studies.ladder", "studies.report"),
 )

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import train
-from data import batch_of_rows
+from api import batch_of_rows
 from model import GPT, GPTConfig, attention_mask
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -12,7 +12,7 @@ from conftest import tiny_args
 
 import prepare
 import train
-from config import parse_config
+from cli import parse_config
 from data import Flags, PackedBatches
 from model import GPT, GPTConfig
 from shards import start_marker_id, with_start_marker

@@ -10,14 +10,15 @@ import torch
 from conftest import rewrite_checkpoint, tiny_args
 from safetensors.torch import save_file
 
-import checkpoints
 import export_hf
 import pretrained
 import sample
 import shards
 import train
-from config import Config, parse_config
+from cli import parse_config
+from config import Config
 from model import GPT, GPTConfig
+from run.checkpoint import read_checkpoint
 from shards import BOS_TEXT
 
 SHAPE = dict(seq_len=64, n_layer=2, n_head=2, n_embd=32)  # tiny_args' model
@@ -227,7 +228,7 @@ def test_a_tokenizer_that_is_not_the_folders_is_refused(tmp_path, tiny_corpus, d
 
 
 def model_of(run) -> tuple[GPT, dict]:
-    state = checkpoints.read_checkpoint(run / "ckpt.pt")
+    state = read_checkpoint(run / "ckpt.pt")
     return sample.trained_model(state, torch.device("cpu")), state
 
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from data import Flags, batch_of_rows
+from api import batch_of_rows
+from data import Flags
 from model import GPT, GPTConfig, attention_mask
 from train import accumulate_gradients, token_losses
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-import files
+from errors import SaveFailed
 from studies import ladder
 from studies.plan import parse_args
 
@@ -166,7 +166,7 @@ def test_a_figure_that_cannot_be_written_leaves_the_old_tables_whole(tmp_path, m
     (out / "ladder.md").write_text("the tables of the figure beside them")
 
     def disk_full(*args):
-        raise files.SaveFailed("effects.png could not be written: no space left on device")
+        raise SaveFailed("effects.png could not be written: no space left on device")
 
     monkeypatch.setattr(ladder, "plot", disk_full)
     assert ladder.main([config, f"--out_dir={out}"]) == 1

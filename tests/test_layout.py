@@ -1,5 +1,6 @@
-"""The layout a fork relies on: imports run one way, the packing spec (data.py) and the model import nothing
-from the repo, and the core (what a fork keeps) neither imports the studies nor needs them to run."""
+"""The layout a fork relies on: the teaching path (model.py, data.py, train.py) reads in one sitting, the run's
+guarantees sit in one package (run/) below it, imports run one way, the studies and benchmarks use the core
+only through api.py, and no function is over 60 lines."""
 
 import ast
 import shutil
@@ -9,14 +10,17 @@ import sys
 import pytest
 from conftest import ROOT
 
-TRAINING_SIDE = ("train", "model", "data", "shards", "checkpoints", "files", "config")  # what trains a prepared folder
-CORE = (*TRAINING_SIDE, "corpora", "prepare", "sample", "export_hf", "pretrained")
+TEACHING_PATH, TEACHING_BUDGET = ("train", "model", "data"), 1050  # lines, all three together
+GUARANTEES_BUDGET = 575  # lines of the run/ package
+TRAINING_SIDE = ("train", "model", "data", "shards", "config", "cli", "errors", "reports")  # and run/
+CORE = (*TRAINING_SIDE, "api", "corpora", "prepare", "sample", "export_hf", "pretrained")
 
 
 def repo_modules() -> dict[str, object]:
-    """Module name -> file, for the top-level modules and the studies package."""
+    """Module name -> file: the top-level modules and those of the run, studies and bench packages."""
     modules = {p.stem: p for p in ROOT.glob("*.py")}
-    modules |= {f"studies.{p.stem}": p for p in (ROOT / "studies").glob("*.py") if p.stem != "__init__"}
+    for package in ("run", "studies", "bench"):
+        modules |= {f"{package}.{p.stem}": p for p in (ROOT / package).glob("*.py") if p.stem != "__init__"}
     return modules
 
 
@@ -31,6 +35,7 @@ def imports_of(path, modules: dict) -> set[str]:
         else:
             continue
         found |= {name for name in names if name in modules}
+        found |= {"run.session" for name in names if name == "run"}  # the package's door
     return found
 
 
@@ -39,12 +44,22 @@ def graph() -> dict[str, set[str]]:
     return {name: imports_of(path, modules) - {name} for name, path in modules.items()}
 
 
+def lines_of(*names: str) -> int:
+    return sum(len(repo_modules()[name].read_text().splitlines()) for name in names)
+
+
 def test_the_graph_is_read_from_the_code():
     edges = graph()
-    assert set(CORE) <= set(edges) and "studies.ablate" in edges
-    assert {"data", "model", "shards", "checkpoints", "files", "prepare"} <= edges["train"]  # the recipe uses the core
-    assert {"studies.plan", "studies.probes", "studies.report", "train"} <= edges["studies.ablate"]
-    assert {"studies.plan", "studies.stats", "studies.tables"} <= edges["studies.report"]
+    assert set(CORE) <= set(edges) and {"run.session", "run.checkpoint", "bench.attention"} <= set(edges)
+    assert {"data", "model", "reports", "run.session", "config", "cli"} <= edges["train"]
+    assert {"api", "studies.plan", "studies.report"} <= edges["studies.ablate"]
+
+
+def test_the_teaching_path_and_the_guarantees_keep_their_budgets():
+    assert lines_of(*TEACHING_PATH) <= TEACHING_BUDGET, "model.py + data.py + train.py"
+    package = [name for name in repo_modules() if name.startswith("run.")]
+    package_lines = lines_of(*package) + len((ROOT / "run" / "__init__.py").read_text().splitlines())
+    assert package_lines <= GUARANTEES_BUDGET, "run/"
 
 
 def test_imports_run_one_way():
@@ -66,20 +81,47 @@ def test_imports_run_one_way():
             assert not visit(name, []), f"an import circle: {' -> '.join(cycle)}"
 
 
-@pytest.mark.parametrize("leaf", ["data", "model", "files"])
-def test_the_packing_spec_the_model_and_the_file_helpers_import_nothing_from_the_repo(leaf):
-    assert graph()[leaf] == set()
+def test_the_model_and_the_exceptions_import_nothing_and_the_packing_spec_only_the_exceptions():
+    edges = graph()
+    assert edges["model"] == set() and edges["errors"] == set() and edges["data"] == {"errors"}
 
 
-def test_the_core_imports_no_study():
+def test_the_guarantees_sit_below_the_recipe():
+    """run/ serves train.py and knows nothing of it, of the reports, the scripts or the studies."""
+    above = {"train", "api", "reports", "prepare", "corpora", "sample", "export_hf", "pretrained"}
+    for name, imported in graph().items():
+        if name.startswith("run."):
+            assert not imported & above and not {m for m in imported if m.startswith(("studies", "bench"))}, name
+
+
+def test_the_core_imports_no_study_and_the_studies_use_the_core_through_api():
     edges = graph()
     for name in CORE:
-        assert not {m for m in edges[name] if m.startswith("studies")}, name
+        assert not {m for m in edges[name] if m.startswith(("studies", "bench"))}, name
+    for name in edges:
+        if name.startswith(("studies.", "bench.")):
+            assert "train" not in edges[name], f"{name} imports train.py: use api.py"
+
+
+def test_no_function_is_over_60_lines():
+    long = []
+    for path in [*ROOT.glob("*.py"), *ROOT.glob("*/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not long
+
+
+def copy_training_side(folder) -> None:
+    for name in TRAINING_SIDE:
+        shutil.copy(ROOT / f"{name}.py", folder)
+    shutil.copytree(ROOT / "run", folder / "run", ignore=shutil.ignore_patterns("__pycache__"))
 
 
 @pytest.mark.slow
 def test_the_core_runs_without_the_studies(tmp_path):
-    for name in CORE:
+    copy_training_side(tmp_path)
+    for name in set(CORE) - set(TRAINING_SIDE):
         shutil.copy(ROOT / f"{name}.py", tmp_path)
     shutil.copy(ROOT / "requirements.txt", tmp_path)
     tiny = ["--tokenizer_vocab_size=300", "--seq_len=64", "--n_layer=1", "--n_embd=32", "--n_head=2"]
@@ -88,7 +130,7 @@ def test_the_core_runs_without_the_studies(tmp_path):
         [sys.executable, "train.py", *tiny], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )  # prepares the built-in corpus, trains, evaluates, samples
     assert result.returncode == 0 and "final val_doc_loss" in result.stdout, result.stderr[-2000:]
-    assert not (tmp_path / "studies").exists()
+    assert not (tmp_path / "studies").exists() and not (tmp_path / "bench").exists()
 
 
 @pytest.mark.slow
@@ -97,8 +139,7 @@ def test_training_from_a_prepared_folder_needs_neither_preparation_nor_corpora(t
     from config import Config
 
     prepared = prepare.prepare(str(tiny_corpus), str(tmp_path / "data"), Config(tokenizer_vocab_size=300), log=print)
-    for name in TRAINING_SIDE:
-        shutil.copy(ROOT / f"{name}.py", tmp_path)
+    copy_training_side(tmp_path)
     tiny = ["--seq_len=64", "--n_layer=1", "--n_embd=32", "--n_head=2", "--batch_size=4", "--max_iters=2"]
     tiny += ["--eval_interval=2", "--sample_tokens=5", f"--dataset={prepared}"]
     result = subprocess.run(

@@ -8,24 +8,23 @@ import pytest
 import torch
 from conftest import reference_semantics
 
+from api import batch_of_rows
 from data import (
     IGNORE_INDEX,
     PACKINGS,
     Documents,
     Flags,
     PackedBatches,
-    batch_of_rows,
     best_fit_decreasing,
     boundary_loss_masked,
     concat_rows,
-    describe_packing,
     document_chunks,
     document_ids,
-    packing_statistics,
     pad_rows,
     reset_positions,
 )
 from model import document_causal_dense
+from reports import batches_statistics, describe_packing, packing_statistics
 
 EOT = 99
 BOS = 100
@@ -370,10 +369,10 @@ def test_each_epoch_leaves_out_its_last_partial_global_batch_and_the_statistics_
         assert batches.epoch == 0
         batches.next()
         assert (batches.epoch, batches.cursor) == (1, batch_size * world_size)  # the remainder was never served
-        stats = batches.statistics()
+        stats = batches_statistics(batches)
         assert stats["rows_left_out_each_epoch"] == left_out
         assert ("rows left out of each epoch" in describe_packing("concat", stats)) == (left_out > 0)
-    assert PackedBatches(stream, eot, 8, 4, shuffle=False).statistics()["rows_left_out_each_epoch"] == 0
+    assert batches_statistics(PackedBatches(stream, eot, 8, 4, shuffle=False))["rows_left_out_each_epoch"] == 0
 
 
 FLAG_NAMES = ("doc_mask", "reset_position_ids", "mask_boundary_loss")

@@ -8,7 +8,8 @@ from conftest import reference_semantics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from data import IGNORE_INDEX, Flags, PackedBatches, batch_of_rows
+from api import batch_of_rows
+from data import IGNORE_INDEX, Flags, PackedBatches
 from model import GPT, GPTConfig, attention_mask
 
 EOT = 63

@@ -15,15 +15,15 @@ import tiktoken
 import torch
 from conftest import ROOT, make_documents, rewrite_checkpoint, tiny_args
 
-import checkpoints
 import corpora
-import files
 import prepare
 import shards
 import train
-from config import Config, ConfigError, parse_config
-from data import DataError
-from train import TrainingDiverged
+from cli import parse_config
+from config import Config
+from errors import ConfigError, DataError, TrainingDiverged
+from run.checkpoint import read_checkpoint
+from run.folder import exclusive_lock
 
 SMALL = Config(tokenizer_vocab_size=300)
 
@@ -304,7 +304,7 @@ def test_a_preparation_in_progress_is_waited_for(tiny_corpus, tmp_path):
     source = corpora.resolve_dataset(str(tiny_corpus))
     name = prepare.shard_dir_for(str(data_dir), source, SMALL, corpora.fingerprint(source)).name
     data_dir.mkdir()
-    with files.exclusive_lock(data_dir / f".{name}.lock"):
+    with exclusive_lock(data_dir / f".{name}.lock"):
         waiting = subprocess.Popen(
             [sys.executable, "prepare.py", str(tiny_corpus), f"--data_dir={data_dir}", "--tokenizer_vocab_size=300"],
             cwd=ROOT,
@@ -506,7 +506,7 @@ def test_a_bad_study_setting_is_one_line_from_the_command_line(tmp_path):
 
 
 def test_bench_checks_its_arguments_before_it_runs(tmp_path, capsys):
-    from studies import bench
+    from bench import attention as bench
 
     one_error_line(in_process(bench.main, ["--seq_lens=0"], capsys), "--seq_lens")
     one_error_line(in_process(bench.main, ["--doc_len=0"], capsys), "--doc_len")
@@ -524,13 +524,6 @@ def test_a_run_that_ends_before_its_warmup_does_says_so(tiny_corpus, tmp_path, c
 # ---- hints to paste: a command in a message is quoted where the shell would change it
 
 
-def test_commands_in_hints_paste_as_they_were_meant():
-    words = ["python", "prepare.py", "--dataset=fineweb/*.parquet", "--out_dir=my run", "--x=$HOME"]
-    command = files.shell_command(*words)
-    assert shlex.split(command) == words and "'--dataset=fineweb/*.parquet'" in command
-    assert files.shell_command("python", "train.py", "--out_dir=out") == "python train.py --out_dir=out"
-
-
 def test_prepare_quotes_a_glob_in_its_train_hint(tiny_corpus, tmp_path, capsys):
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.jsonl").write_bytes(tiny_corpus.read_bytes())
@@ -544,5 +537,5 @@ def test_prepare_quotes_a_glob_in_its_train_hint(tiny_corpus, tmp_path, capsys):
 
 def test_a_missing_checkpoint_hint_pastes(tmp_path):
     with pytest.raises(ConfigError) as error:
-        checkpoints.read_checkpoint(tmp_path / "my run" / "ckpt.pt")
+        read_checkpoint(tmp_path / "my run" / "ckpt.pt")
     assert shlex.split(str(error.value).split("train first with: ")[1])[-1] == f"--out_dir={tmp_path / 'my run'}"

@@ -11,9 +11,13 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, tiny_args
 
-import checkpoints
 import train
-from config import Config, interrupted_exit_code
+from cli import parse_config
+from config import Config
+from errors import Stopped, interrupted_exit_code
+from reports import run_summary
+from run import processes
+from run.checkpoint import read_checkpoint
 
 # ---- the summary
 
@@ -43,7 +47,7 @@ def summary_commands(summary: str) -> dict[str, list[str]]:
 def test_a_finished_run_is_summarised_with_its_final_losses_checkpoint_and_next_commands(tmp_path, bos):
     out = tmp_path / "my run"  # a space: the commands must still paste as one argument
     write_run(out, [*TRAINING, EVALUATION])
-    summary = train.run_summary(Config(out_dir=str(out), max_iters=6, bos=bos), seconds=75)
+    summary = run_summary(Config(out_dir=str(out), max_iters=6, bos=bos), seconds=75)
     assert "run finished: 6 steps, 1m15s wall time" in summary
     assert "final val_doc_loss 5.1250 | val_loss 5.2500" in summary
     assert ("val_doc_loss_from_second 5.0625" in summary) == bos  # only a run with the marker has it
@@ -58,17 +62,17 @@ def test_a_finished_run_is_summarised_with_its_final_losses_checkpoint_and_next_
 def test_a_run_without_an_evaluation_is_summarised_with_what_it_has(tmp_path):
     cfg = Config(out_dir=str(tmp_path / "run"), max_iters=6)
     write_run(tmp_path / "run", TRAINING)
-    summary = train.run_summary(cfg, seconds=3)
+    summary = run_summary(cfg, seconds=3)
     assert "no evaluation; last train_loss 5.5000 (step 6)" in summary and "val_loss" not in summary
     write_run(tmp_path / "empty", [], checkpoint=False)
-    summary = train.run_summary(Config(out_dir=str(tmp_path / "empty")), seconds=3)
+    summary = run_summary(Config(out_dir=str(tmp_path / "empty")), seconds=3)
     assert "no evaluation and no training step logged" in summary and "checkpoint: none written" in summary
 
 
 def test_a_stopped_run_is_summarised_with_its_last_evaluation_and_only_its_resume(tmp_path):
     out = tmp_path / "run"
     write_run(out, [*TRAINING, {**EVALUATION, "step": 3}])
-    summary = train.run_summary(Config(out_dir=str(out), max_iters=10), 3, world_size=2, stopped_after=4)
+    summary = run_summary(Config(out_dir=str(out), max_iters=10), 3, world_size=2, stopped_after=4)
     assert "run stopped after step 4 of 10" in summary and "last evaluation (step 3): val_doc_loss 5.1250" in summary
     resume = ["torchrun", "--nproc_per_node=2", "train.py", f"--out_dir={out}", "--resume=true"]  # as many processes
     assert summary_commands(summary) == {"resume": resume}
@@ -96,9 +100,9 @@ def test_train_ends_with_the_summary_when_it_does_not_sample(tiny_corpus, tmp_pa
 
 
 def test_a_stop_is_exit_128_plus_the_signal():
-    assert interrupted_exit_code(train.Stopped(signal.SIGINT, 3, "out")) == 130
-    assert interrupted_exit_code(train.Stopped(signal.SIGTERM, 3, "out")) == 143
-    assert interrupted_exit_code(train.Stopped(signal.SIGHUP, 3, "out")) == 129
+    assert interrupted_exit_code(Stopped(signal.SIGINT, 3, "out")) == 130
+    assert interrupted_exit_code(Stopped(signal.SIGTERM, 3, "out")) == 143
+    assert interrupted_exit_code(Stopped(signal.SIGHUP, 3, "out")) == 129
     assert interrupted_exit_code(KeyboardInterrupt()) == 130  # Ctrl-C before training began
 
 
@@ -107,9 +111,9 @@ def test_a_stopped_run_saves_its_checkpoint_exits_143_and_says_so_in_one_line(
 ):
     out = tmp_path / "run"
     # SIGTERM received during step 3
-    monkeypatch.setattr(train.StopRequest, "agreed", lambda self, step, every, device: signal.SIGTERM * (step == 3))
+    monkeypatch.setattr(processes.StopRequest, "agreed", lambda self, step, every, device: signal.SIGTERM * (step == 3))
     code, stdout, stderr = in_process_main(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=6), capsys)
-    assert code == 143 and checkpoints.read_checkpoint(out / "ckpt.pt")["step"] == 3
+    assert code == 143 and read_checkpoint(out / "ckpt.pt")["step"] == 3
     lines = [line for line in stderr.splitlines() if line.startswith("interrupted:")]
     assert lines == [
         f"interrupted: SIGTERM stopped the run after step 3 with its checkpoint saved; exit 143 (unfinished); "
@@ -122,14 +126,14 @@ def test_a_stop_during_the_last_step_finishes_the_run_and_stops_a_caller(tiny_co
     """train.py: the run is finished all the same (exit 0, the finished summary). A study calling train():
     the stop reaches it, so the next run does not start as if nothing had been asked."""
     out = tmp_path / "run"
-    monkeypatch.setattr(train.StopRequest, "agreed", lambda self, step, every, device: signal.SIGINT * (step == 4))
+    monkeypatch.setattr(processes.StopRequest, "agreed", lambda self, step, every, device: signal.SIGINT * (step == 4))
     code, stdout, stderr = in_process_main(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=4), capsys)
-    assert code == 0 and checkpoints.read_checkpoint(out / "ckpt.pt")["step"] == 4
+    assert code == 0 and read_checkpoint(out / "ckpt.pt")["step"] == 4
     assert "run finished: 4 steps" in stdout and "interrupted" not in stderr
-    again = train.parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "other", max_iters=4))
-    with pytest.raises(train.Stopped) as stopped:
+    again = parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "other", max_iters=4))
+    with pytest.raises(Stopped) as stopped:
         train.train(again)
-    assert stopped.value.step == 4 and checkpoints.read_checkpoint(tmp_path / "other" / "ckpt.pt")["step"] == 4
+    assert stopped.value.step == 4 and read_checkpoint(tmp_path / "other" / "ckpt.pt")["step"] == 4
 
 
 def start_until_training(command: list[str]) -> subprocess.Popen:
@@ -156,7 +160,7 @@ def test_train_and_a_study_stopped_by_a_signal_exit_128_plus_it_after_saving(tin
     proc = start_until_training([sys.executable, "train.py", *args])
     proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=120)
-    step = checkpoints.read_checkpoint(out / "ckpt.pt")["step"]
+    step = read_checkpoint(out / "ckpt.pt")["step"]
     assert proc.returncode == 128 + signum and f"run stopped after step {step} of 100000" in stdout
     interrupted = [line for line in stderr.splitlines() if line.startswith("interrupted:")]
     assert len(interrupted) == 1 and f"after step {step} with its checkpoint saved; exit {128 + signum}" in stderr

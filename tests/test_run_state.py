@@ -24,14 +24,16 @@ import pytest
 import torch
 from conftest import ROOT, make_documents, tiny_args
 
-import checkpoints
 import export_hf
-import files
 import prepare
 import sample
 import train
-from config import Config, ConfigError, parse_config
-from data import DataError
+from cli import parse_config
+from config import Config
+from errors import ConfigError, DataError, SaveFailed, TrainingDiverged
+from run import checkpoint as checkpoints
+from run.checkpoint import read_checkpoint, save_checkpoint
+from run.folder import RUN_FILES, MetricsFile, RunFiles, exclusive_lock, hold, lock_holder, write_atomically
 from studies import report
 
 
@@ -86,12 +88,12 @@ def test_a_checkpoint_damaged_inside_its_weights_is_refused_by_every_reader(trai
     flip_byte_in_weights(ckpt, 0.5)
     torch.load(ckpt, weights_only=False)  # torch itself reads the damaged file without a word
     for reader in (
-        lambda: checkpoints.read_checkpoint(ckpt),
+        lambda: read_checkpoint(ckpt),
         lambda: sample.load_run(run, torch.device("cpu")),  # sampling and the studies' probes
         lambda: export_hf.export(run, tmp_path / "hf"),
         lambda: train.train(parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=6"])),
     ):
-        with pytest.raises(ConfigError, match=f"{ckpt} is damaged: its content does not match the digest"):
+        with pytest.raises(ConfigError, match=f"{ckpt} is damaged: its record .* does not match the CRC-32"):
             reader()
     assert one_line(python("sample.py", f"--out_dir={run}")).startswith(f"error: {ckpt} is damaged")
     assert not (tmp_path / "hf").exists()  # nothing was written from it
@@ -100,21 +102,7 @@ def test_a_checkpoint_damaged_inside_its_weights_is_refused_by_every_reader(trai
         shutil.copy(trained[0] / "ckpt.pt", ckpt)
         flip_byte_in_weights(ckpt, float(where))
         with pytest.raises(ConfigError, match="damaged"):
-            checkpoints.read_checkpoint(ckpt)
-
-
-def test_the_digest_covers_every_kind_of_content():
-    state = {"a": torch.arange(6, dtype=torch.bfloat16).view(2, 3), "b": [np.arange(3), b"xy", ("s", 1.5)]}
-    digest = checkpoints.content_digest(state)
-    assert digest == checkpoints.content_digest({k: v for k, v in state.items()})  # a function of the content
-    for changed in (
-        {**state, "a": state["a"].clone().index_fill_(1, torch.tensor([2]), 7.0)},
-        {**state, "a": state["a"].reshape(3, 2)},  # the same bytes in another shape
-        {**state, "b": [np.arange(3), b"xz", ("s", 1.5)]},
-        {**state, "b": [np.arange(3), b"xy", ("s", 1.25)]},
-        {"b": state["b"], "a": state["a"]},  # another order
-    ):
-        assert checkpoints.content_digest(changed) != digest
+            read_checkpoint(ckpt)
 
 
 def hand_built_checkpoint(cfg: Config) -> dict:
@@ -137,19 +125,62 @@ def hand_built_checkpoint(cfg: Config) -> dict:
 
 
 def test_a_byte_changed_in_the_weights_of_a_hand_built_checkpoint_is_refused_on_read(tmp_path):
-    """The fast tier's guard of the digest: checked on read, and over the tensors' bytes."""
+    """The fast tier's guard of the CRC-32 check: on every read, over the tensors' bytes."""
     ckpt = tmp_path / "ckpt.pt"
     state = hand_built_checkpoint(Config())
-    checkpoints.save_checkpoint(ckpt, state)
-    assert torch.equal(checkpoints.read_checkpoint(ckpt)["model"]["weight"], state["model"]["weight"])
+    save_checkpoint(ckpt, state)
+    assert torch.equal(read_checkpoint(ckpt)["model"]["weight"], state["model"]["weight"])
     written = ckpt.read_bytes()
     for where in (0.0, 0.5, 1.0):
         ckpt.write_bytes(written)
         flip_byte_in_weights(ckpt, where)
         damaged = torch.load(ckpt, weights_only=False)  # torch reads it without a word
         assert not torch.equal(damaged["model"]["weight"], state["model"]["weight"])
-        with pytest.raises(ConfigError, match=f"{ckpt} is damaged: its content does not match the digest"):
-            checkpoints.read_checkpoint(ckpt)
+        with pytest.raises(ConfigError, match=f"{ckpt} is damaged: its record .* does not match the CRC-32"):
+            read_checkpoint(ckpt)
+
+
+def record_spans(path: Path) -> dict[str, tuple[int, int]]:
+    """Each record of a checkpoint's zip archive: where its stored bytes begin and end in the file."""
+    raw = path.read_bytes()
+    spans = {}
+    for info in zipfile.ZipFile(path).infolist():
+        header = info.header_offset
+        name_length = int.from_bytes(raw[header + 26 : header + 28], "little")
+        extra_length = int.from_bytes(raw[header + 28 : header + 30], "little")
+        start = header + 30 + name_length + extra_length
+        spans[info.filename] = (start, start + info.compress_size)
+    return spans
+
+
+def test_a_changed_byte_in_any_record_a_cut_or_a_record_of_another_checkpoint_is_refused_on_read(tmp_path):
+    """The CRC-32 check catches what the content digest it replaced caught: a byte changed in any record
+    (weights, pickle, version records), a file cut short anywhere, and one record replaced by the same
+    record of another checkpoint of the same shapes. The record is named."""
+    ckpt, other = tmp_path / "ckpt.pt", tmp_path / "other" / "ckpt.pt"
+    other.parent.mkdir()
+    save_checkpoint(ckpt, hand_built_checkpoint(Config()))
+    good, spans = ckpt.read_bytes(), record_spans(ckpt)
+    assert len(spans) >= 6 and any(name.endswith("data.pkl") for name in spans)
+    for name, (start, end) in spans.items():
+        raw = bytearray(good)
+        raw[(start + end - 1) // 2] ^= 0x01
+        ckpt.write_bytes(raw)
+        with pytest.raises(ConfigError, match=f"is damaged: its record {re.escape(name)} does not match"):
+            read_checkpoint(ckpt)
+    for cut in (len(good) - 1, len(good) - 100, len(good) // 2, 200):
+        ckpt.write_bytes(good[:cut])
+        with pytest.raises(ConfigError, match="is not a readable checkpoint"):
+            read_checkpoint(ckpt)
+    state = hand_built_checkpoint(Config())
+    state["model"]["weight"] = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    save_checkpoint(other, state)
+    weights = max(spans, key=lambda name: spans[name][1] - spans[name][0])
+    (start, end), (other_start, other_end) = spans[weights], record_spans(other)[weights]
+    ckpt.write_bytes(good[:start] + other.read_bytes()[other_start:other_end] + good[end:])
+    assert torch.equal(torch.load(ckpt, weights_only=False)["model"]["weight"], state["model"]["weight"])
+    with pytest.raises(ConfigError, match=f"is damaged: its record {re.escape(weights)} does not match"):
+        read_checkpoint(ckpt)
 
 
 # ---- 2. a path of the wrong kind where a run's file goes
@@ -173,13 +204,13 @@ def test_a_folder_where_a_run_file_belongs_is_the_same_one_line_in_every_mode(tr
 
 @pytest.mark.slow
 def test_a_prepared_folder_decides_the_data_settings_and_a_contradicting_one_is_refused(trained, tmp_path):
-    shards = Path(checkpoints.read_checkpoint(trained[0] / "ckpt.pt")["shards"])
+    shards = Path(read_checkpoint(trained[0] / "ckpt.pt")["shards"])
     base = tiny_args(shards, tmp_path / "data", tmp_path / "a", max_iters=1, eval_interval=1)
     base = [a for a in base if not a.startswith("--tokenizer_vocab_size")]
     for setting in ("--tokenizer_vocab_size=500", "--val_fraction=0.2", "--data_seed=7", "--text_field=body"):
         with pytest.raises(ConfigError, match=rf"{setting[2:].split('=')[0]}=.*but {shards} was prepared with"):
             train.train(parse_config(base + [setting]))
-    assert not any((tmp_path / "a" / name).exists() for name in files.RUN_FILES)
+    assert not any((tmp_path / "a" / name).exists() for name in RUN_FILES)
     train.train(parse_config(base))  # the defaults: the folder's own settings are used, and recorded
     recorded = json.loads((tmp_path / "a" / "config.json").read_text())
     assert recorded["tokenizer_vocab_size"] == 320 and recorded["dataset"] == str(shards)
@@ -220,11 +251,11 @@ def test_a_resumed_run_trains_on_the_shards_its_checkpoint_names_or_not_at_all(t
     shutil.copy(tiny_corpus, corpus)
     args = tiny_args(corpus, tmp_path / "data", tmp_path / "run", max_iters=2, eval_interval=2)
     train.train(parse_config(args))
-    shards = checkpoints.read_checkpoint(tmp_path / "run" / "ckpt.pt")["shards"]
+    shards = read_checkpoint(tmp_path / "run" / "ckpt.pt")["shards"]
     with open(corpus, "a") as f:  # the corpus grows: preparing it again would give other shards
         f.write("".join(json.dumps({"text": d}) + "\n" for d in make_documents(300, seed=9)))
     train.train(parse_config([f"--out_dir={tmp_path / 'run'}", "--resume=true", "--max_iters=4"]))
-    assert checkpoints.read_checkpoint(tmp_path / "run" / "ckpt.pt")["shards"] == shards
+    assert read_checkpoint(tmp_path / "run" / "ckpt.pt")["shards"] == shards
     assert [p.name for p in (tmp_path / "data").iterdir() if not p.name.startswith(".")] == [Path(shards).name]
     shutil.rmtree(shards)  # and once they are gone, it is refused
     with pytest.raises(ConfigError, match=f"trained on the shards in {shards}, which cannot be read now"):
@@ -237,7 +268,7 @@ def test_a_resumed_run_trains_on_the_shards_its_checkpoint_names_or_not_at_all(t
 @pytest.mark.slow
 def test_an_export_takes_its_step_and_loss_from_the_checkpoint_it_exports(trained, tmp_path):
     run = copy_of(trained[0], tmp_path)
-    state = checkpoints.read_checkpoint(run / "ckpt.pt")
+    state = read_checkpoint(run / "ckpt.pt")
     assert state["evaluation"]["step"] == state["step"] == 4
     with open(run / "metrics.jsonl", "a") as f:  # training goes on: a later evaluation, not yet in ckpt.pt
         f.write(json.dumps({"step": 6, "val_loss": 1.0, "val_doc_loss": 1.2345}) + "\n")
@@ -264,7 +295,7 @@ def test_the_shortest_rows_train_evaluate_sample_and_export(tiny_corpus, tmp_pat
 @pytest.mark.slow
 def test_a_run_that_diverges_before_its_first_checkpoint_says_none_was_written(tiny_corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "accumulate_gradients", lambda *a, **k: torch.tensor(float("nan")))
-    with pytest.raises(train.TrainingDiverged) as error:
+    with pytest.raises(TrainingDiverged) as error:
         train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", eval_interval=4)))
     assert str(error.value).endswith("no checkpoint was written") and not (tmp_path / "run" / "ckpt.pt").exists()
 
@@ -285,7 +316,7 @@ def test_a_busy_folder_names_the_process_that_holds_its_lock(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(ConfigError, match=rf"in use by another run \(process {holder.pid}\)"):
-            with files.hold(tmp_path, resume=False, overwrite=False):
+            with hold(tmp_path, resume=False, overwrite=False):
                 pass
     finally:
         holder.kill()
@@ -304,17 +335,17 @@ def test_overwriting_replaces_the_old_run_only_once_the_new_one_has_a_checkpoint
     assert contents(run) == before
 
     def full_disk(path, state):
-        raise files.SaveFailed(f"could not save the checkpoint {path} (No space left on device)")
+        raise SaveFailed(f"could not save the checkpoint {path} (No space left on device)")
 
     monkeypatch.setattr(checkpoints, "save_checkpoint", full_disk)
-    with pytest.raises(files.SaveFailed):  # failed at its first checkpoint
+    with pytest.raises(SaveFailed):  # failed at its first checkpoint
         train.train(parse_config(overwrite))
     assert contents(run) == before and not (run / ".replacing").exists()
     monkeypatch.undo()
     train.train(parse_config(overwrite))
     after = contents(run)
     assert after.keys() == before.keys() and all(after[k] != before[k] for k in after)
-    assert json.loads(after["config.json"])["run_id"] == checkpoints.read_checkpoint(run / "ckpt.pt")["run_id"]
+    assert json.loads(after["config.json"])["run_id"] == read_checkpoint(run / "ckpt.pt")["run_id"]
 
 
 @pytest.mark.slow
@@ -329,7 +360,7 @@ def test_a_folder_that_mixes_two_runs_is_refused(trained, tmp_path):
 def old_run_in(folder: Path) -> dict[str, bytes]:
     """A finished run's files written by hand into `folder` (their content is never read here); returns them."""
     folder.mkdir(parents=True, exist_ok=True)
-    for name in files.RUN_FILES:
+    for name in RUN_FILES:
         (folder / name).write_bytes(f"the old run's {name}".encode())
     return contents(folder)
 
@@ -352,13 +383,13 @@ def test_a_replacing_run_writes_beside_the_old_one_until_its_first_checkpoint(tm
     """The fast guard of the staging folder (test_overwriting_replaces_the_old_run_only_once_the_new_one_has_a_
     checkpoint): RunFiles as train.fit uses it, without training."""
     before = old_run_in(tmp_path)
-    new = {name: f"the new run's {name}".encode() for name in files.RUN_FILES}
-    with files.RunFiles(tmp_path, "new", fresh=True) as run_files:  # a run that ends before its first checkpoint
+    new = {name: f"the new run's {name}".encode() for name in RUN_FILES}
+    with RunFiles(tmp_path, "new", fresh=True) as run_files:  # a run that ends before its first checkpoint
         for name, content in new.items():
             run_files.path(name).write_bytes(content)
         assert contents(tmp_path) == before  # the old run stays whole while the new one writes
     assert contents(tmp_path) == before and not (tmp_path / ".replacing").exists()
-    with files.RunFiles(tmp_path, "new", fresh=True) as run_files:
+    with RunFiles(tmp_path, "new", fresh=True) as run_files:
         for name, content in new.items():
             run_files.path(name).write_bytes(content)
         run_files.promote()  # what Checkpointer.save does once the first checkpoint is written
@@ -404,7 +435,7 @@ def test_sighup_stops_training_like_ctrl_c(tiny_corpus, tmp_path):
     child.send_signal(signal.SIGHUP)
     out, err = child.communicate(timeout=120)
     assert child.returncode == 128 + signal.SIGHUP and "SIGHUP: finishing this step" in out, err[-2000:]
-    step = checkpoints.read_checkpoint(tmp_path / "run" / "ckpt.pt")["step"]
+    step = read_checkpoint(tmp_path / "run" / "ckpt.pt")["step"]
     assert f"run stopped after step {step} of 100000" in out
     assert f"interrupted: SIGHUP stopped the run after step {step} with its checkpoint saved; exit 129" in err
 
@@ -417,15 +448,15 @@ def test_a_result_that_cannot_be_written_is_one_line(tmp_path):
     import matplotlib.pyplot as plt
 
     (tmp_path / "figure.png").mkdir()  # nothing can be written there
-    with pytest.raises(files.SaveFailed, match="could not write"):
+    with pytest.raises(SaveFailed, match="could not write"):
         report.save_figure(plt.figure(), tmp_path / "figure.png")
     (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)
-    run_files = files.RunFiles(tmp_path / "run", "id", fresh=False)
-    with pytest.raises(files.SaveFailed, match="could not write"):
-        train.MetricsLog(run_files, parse_config([]), resume_step=None)
+    run_files = RunFiles(tmp_path / "run", "id", fresh=False)
+    with pytest.raises(SaveFailed, match="could not write"):
+        MetricsFile(run_files, resume_step=None)
 
 
-# ---- 12. a damaged config.json beside a good checkpoint
+# ---- 12. config.json is a record for people: a resumed run takes its settings from its checkpoint
 
 
 @pytest.mark.slow
@@ -433,25 +464,12 @@ def test_a_damaged_config_json_beside_a_good_checkpoint_resumes_with_its_setting
     run = copy_of(trained[0], tmp_path)
     (run / "config.json").write_text('{"max_iters": 4, "n_embd": ')  # cut short
     cfg = parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=6"])
-    assert "resuming with the settings in ckpt.pt" in capsys.readouterr().err
-    assert cfg.n_embd == 32 and cfg.max_iters == 6
+    assert cfg.n_embd == 32 and cfg.max_iters == 6 and not capsys.readouterr().err
     train.train(cfg)
     assert json.loads((run / "config.json").read_text())["max_iters"] == 6  # written whole again
     (run / "ckpt.pt").unlink()
-    (run / "config.json").write_text("{")
-    with pytest.raises(ConfigError, match="cannot be read .* and there is no checkpoint to resume from"):
-        parse_config([f"--out_dir={run}", "--resume=true"])
-
-
-@pytest.mark.slow
-def test_a_config_json_that_disagrees_with_its_checkpoint_is_refused_by_the_checkpoint(trained, tmp_path):
-    """The checkpoint decides: settings edited into config.json that the run cannot change are named."""
-    run = copy_of(trained[0], tmp_path)
-    saved = json.loads((run / "config.json").read_text())
-    (run / "config.json").write_text(json.dumps({**saved, "n_embd": 48, "max_iters": 6}))
-    cfg = parse_config([f"--out_dir={run}", "--resume=true"])  # config.json alone is consistent
-    with pytest.raises(ConfigError, match=r"ckpt.pt with a different model or data setting \(n_embd: 32 -> 48\)$"):
-        train.train(cfg)
+    with pytest.raises(ConfigError, match="resume=true but .*ckpt.pt does not exist"):
+        train.train(parse_config([f"--out_dir={run}", "--resume=true"]))
 
 
 def stopped_run(folder: Path, cfg: Config) -> Path:
@@ -460,37 +478,37 @@ def stopped_run(folder: Path, cfg: Config) -> Path:
     folder.mkdir()
     state = hand_built_checkpoint(dataclasses.replace(cfg, out_dir=str(folder)))
     (folder / "config.json").write_text(json.dumps({"run_id": state["run_id"], **state["config"]}))
-    checkpoints.save_checkpoint(folder / "ckpt.pt", state)
+    save_checkpoint(folder / "ckpt.pt", state)
     return folder
 
 
-def test_the_checkpoints_settings_are_compared_when_a_run_resumes_from_it(tmp_path):
-    """The fast guard of the test above: config.json edited to another model passes parse_config, which
-    compares with config.json alone; the checkpoint's own settings refuse it."""
+def test_a_resumed_run_takes_its_settings_from_its_checkpoint_not_from_config_json(tmp_path):
+    """Settings edited into config.json change nothing; given ones are checked once, against the checkpoint:
+    those a resumed run may change pass, the others are named."""
     run = stopped_run(tmp_path / "run", Config(n_embd=32))
-    may_change = parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=700"])
-    assert checkpoints.load_checkpoint(run / "ckpt.pt", may_change, world_size=1)["step"] == 2
     saved = json.loads((run / "config.json").read_text())
     (run / "config.json").write_text(json.dumps({**saved, "n_embd": 48}))
-    cfg = parse_config([f"--out_dir={run}", "--resume=true"])
-    assert cfg.n_embd == 48
-    with pytest.raises(ConfigError, match=r"ckpt.pt with a different model or data setting \(n_embd: 32 -> 48\)$"):
-        train.train(cfg)
+    cfg = parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=700"])
+    assert cfg.n_embd == 32 and cfg.max_iters == 700
+    state = read_checkpoint(run / "ckpt.pt")
+    checkpoints.check_resumable(run / "ckpt.pt", state, cfg, world_size=1)
+    cfg = parse_config([f"--out_dir={run}", "--resume=true", "--n_embd=48"])
+    with pytest.raises(
+        ConfigError, match=rf"cannot resume {re.escape(str(run))} with other settings \(n_embd: 32 -> 48\)"
+    ):
+        checkpoints.check_resumable(run / "ckpt.pt", state, cfg, world_size=1)
+    with pytest.raises(ConfigError, match=r"with other settings \(n_embd: 32 -> 48\)"):
+        train.train(cfg)  # the one check, before anything is prepared or written
 
 
 def test_the_packing_cannot_change_when_a_run_resumes(tmp_path):
     """The rows are planned from the packing, and the data position counts rows: resumed under another
-    packing, a run would go on at its cursor in other rows. Refused against config.json and, where
-    config.json was edited, against the checkpoint."""
+    packing, a run would go on at its cursor in other rows."""
     run = stopped_run(tmp_path / "run", Config(packing="concat"))
+    cfg = parse_config([f"--out_dir={run}", "--resume=true", "--packing=bestfit"])
     changed = re.escape("(packing: 'concat' -> 'bestfit')")
     with pytest.raises(ConfigError, match=rf"cannot resume {re.escape(str(run))} with other settings {changed}"):
-        parse_config([f"--out_dir={run}", "--resume=true", "--packing=bestfit"])
-    saved = json.loads((run / "config.json").read_text())
-    (run / "config.json").write_text(json.dumps({**saved, "packing": "bestfit"}))
-    cfg = parse_config([f"--out_dir={run}", "--resume=true"])
-    with pytest.raises(ConfigError, match=rf"with a different model or data setting {changed}$"):
-        checkpoints.load_checkpoint(run / "ckpt.pt", cfg, world_size=1)
+        checkpoints.check_resumable(run / "ckpt.pt", read_checkpoint(run / "ckpt.pt"), cfg, world_size=1)
 
 
 @pytest.mark.slow
@@ -501,12 +519,12 @@ def test_a_result_file_never_replaces_a_device_a_fifo_or_a_folder(tmp_path):
     os.mkfifo(fifo)
     (tmp_path / "ckpt.pt.tmp").mkdir()  # a folder where the temporary file goes
     for path in (fifo, Path("/dev/null"), tmp_path / "ckpt.pt"):
-        with pytest.raises(files.SaveFailed, match="is not a regular file"):
-            files.write_atomically(path, "{}")
+        with pytest.raises(SaveFailed, match="is not a regular file"):
+            write_atomically(path, "{}")
     assert fifo.is_fifo() and Path("/dev/null").is_char_device() and (tmp_path / "ckpt.pt.tmp").is_dir()
     assert not (tmp_path / "ckpt.pt").exists()
-    files.write_atomically(tmp_path / "result.json", "{}")  # absent, then a regular file: written, replaced
-    files.write_atomically(tmp_path / "result.json", "[]")
+    write_atomically(tmp_path / "result.json", "{}")  # absent, then a regular file: written, replaced
+    write_atomically(tmp_path / "result.json", "[]")
     assert (tmp_path / "result.json").read_text() == "[]"
 
 
@@ -515,7 +533,7 @@ def test_a_lock_refusal_names_the_process_that_wrote_its_pid_not_a_child_listed_
     import os
 
     lock = tmp_path / ".lock"
-    with files.exclusive_lock(lock):
+    with exclusive_lock(lock):
         fd = os.open(lock, os.O_RDONLY)
         real_read_text = Path.read_text
 
@@ -527,8 +545,8 @@ def test_a_lock_refusal_names_the_process_that_wrote_its_pid_not_a_child_listed_
             return real_read_text(path, *args, **kwargs)
 
         monkeypatch.setattr(Path, "read_text", proc_locks_naming_a_child)
-        assert files.lock_holder(fd) == str(os.getpid())
+        assert lock_holder(fd) == str(os.getpid())
         os.pwrite(fd_rw := os.open(lock, os.O_RDWR), b"999998", 0)  # a holder that is gone: /proc/locks decides
-        assert files.lock_holder(fd) == "999999"
+        assert lock_holder(fd) == "999999"
         os.close(fd_rw)
         os.close(fd)

@@ -7,14 +7,17 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import ROOT, rewrite_checkpoint, tiny_args
 
 import train
-from config import Config, ConfigError, parse_config
+from cli import parse_config
+from config import Config
 from data import Flags
+from errors import ConfigError
 
 
 def run_cli(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -253,7 +256,8 @@ def test_a_run_with_the_start_marker_evaluates_each_document_from_its_bos(tmp_pa
     folder = prepare.prepare(str(corpus), str(tmp_path / "data"), Config(tokenizer_vocab_size=300), log=print)
     cfg = Config(dataset=str(folder), bos=True, seq_len=16, batch_size=2, eval_tokens=0, n_layer=1, n_embd=16)
     cpu, fp32 = torch.device("cpu"), torch.autocast("cpu", enabled=False)
-    run = train.load_data(cfg, None, rank=0, world_size=1, device=cpu, log=print)
+    session = SimpleNamespace(resumed=None, rank=0, world_size=1, device=cpu, main_process=True, print=print)
+    run = train.load_data(cfg, session)
     bos = shards.start_marker_id(shards.load_tokenizer(folder))
     for rows in (run.val_packed, run.val_alone):  # the split's first row opens its first document
         assert next(rows.all_batches()).inputs[0, 0] == bos
@@ -416,3 +420,19 @@ def test_the_data_parallel_wrapper_makes_no_deprecated_call(tmp_path):
         assert not wrapped.forward_sync_buffers  # RoPE's tables are the same on every process
     finally:
         dist.destroy_process_group()
+
+
+def test_a_run_loads_its_prepared_folder_once_also_when_resuming(tiny_corpus, tmp_path, monkeypatch):
+    """Loading checks every shard's size and token ids: a run does it once, whether it is given the prepared
+    folder, or resumes on the folder its checkpoint names."""
+    import prepare
+    import shards
+
+    folder = prepare.prepare(str(tiny_corpus), str(tmp_path / "data"), Config(tokenizer_vocab_size=320), log=print)
+    loaded, load = [], shards.load_shards
+    monkeypatch.setattr(shards, "load_shards", lambda path: loaded.append(path) or load(path))
+    args = tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", max_iters=2, eval_interval=2, sample_tokens=0)
+    train.train(parse_config([*args, f"--dataset={folder}"]))
+    assert loaded == [folder]
+    train.train(parse_config([f"--out_dir={tmp_path / 'run'}", "--resume=true", "--max_iters=4"]))
+    assert loaded == [folder, folder]

@@ -1,27 +1,19 @@
-"""Files that survive interrupts: locks the OS drops when their process dies, writes that leave the old file
-or the new one (never half of one), the progress line, and the run folder. Imports nothing from the repo."""
+"""The run folder, out_dir: a lock the OS drops when its process dies, writes that leave the old file or the
+new one (never half of one), a new run that replaces an old one only at its first checkpoint, and the
+metrics log. Imports nothing from the repo but its exceptions."""
 
 from __future__ import annotations
 
 import fcntl
 import json
 import os
-import shlex
 import shutil
 import sys
-import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-
-class ConfigError(Exception):
-    """Bad settings, or a folder that cannot serve."""
-
-
-class SaveFailed(Exception):
-    """A result could not be written (disk full, file size limit)."""
+from errors import ConfigError, SaveFailed
 
 
 @contextmanager
@@ -115,50 +107,6 @@ def write_atomically(path: Path, text: str) -> None:
     replace_atomically(path, lambda tmp: tmp.write_text(text))
 
 
-def shell_command(*words: str) -> str:
-    """A command to print as a hint: each word quoted where the shell would change it (a glob, a space), so
-    that it is safe to paste."""
-    return " ".join(shlex.quote(word) for word in words)
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return (
-        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-    )
-
-
-class Progress:
-    """The one progress line: `done` of `total`, rates of any counts and the ETA, as `show(progress)` makes it,
-    at most every `every` seconds (rewritten in place on a terminal)."""
-
-    def __init__(self, total: float, show: Callable[[Progress], str], print_line=print, every: float = 10.0) -> None:
-        self.total, self.show, self.print_line = max(total, 1e-9), show, print_line
-        self.tty = print_line is print and sys.stdout.isatty()
-        self.every = min(every, 0.5) if self.tty else every
-        self.done, self.counts = 0.0, Counter()
-        self.start = self.last = time.time()
-
-    def advance(self, done: float = 0, **counts: float) -> None:
-        self.done += done
-        self.counts.update(counts)
-        if self.done and time.time() - self.last >= self.every:
-            self.last = time.time()
-            line = self.show(self)
-            print(f"\r{line}\033[K", end="", flush=True) if self.tty else self.print_line(line)
-
-    def rate(self, name: str) -> float:
-        return self.counts[name] / max(time.time() - self.start, 1e-9)
-
-    def eta(self) -> str:
-        elapsed = time.time() - self.start
-        return format_duration(elapsed / self.done * (self.total - self.done)) if self.done else "unknown"
-
-    def close(self) -> None:
-        if self.tty and self.last > self.start:
-            print("\r\033[K", end="", flush=True)
-
-
 # ----------------------------------------------------------------------------------------------
 # The run folder: out_dir/ckpt.pt, config.json, metrics.jsonl and .lock
 
@@ -166,18 +114,13 @@ class Progress:
 RUN_FILES = {"ckpt.pt": "checkpoint", "config.json": "settings file", "metrics.jsonl": "metrics log"}
 
 
-def check_run_files(out_dir: Path) -> None:
-    """Each of a run's files, where it exists, is a regular file."""
-    for name, what in RUN_FILES.items():
-        if (out_dir / name).exists() and not (out_dir / name).is_file():
-            raise ConfigError(f"{out_dir / name} is not a file, where the run's {what} belongs: move it away")
-
-
 @contextmanager
 def hold(out_dir: Path, resume: bool, overwrite: bool) -> Iterator[None]:
     """Hold out_dir for the run's lifetime: refuse a folder another run is using, or holding a run this one
     would replace unasked. Nothing changes here: a new run replaces an old one at its first checkpoint."""
-    check_run_files(out_dir)
+    for name, what in RUN_FILES.items():  # each of a run's files, where it exists, is a regular file
+        if (out_dir / name).exists() and not (out_dir / name).is_file():
+            raise ConfigError(f"{out_dir / name} is not a file, where the run's {what} belongs: move it away")
     if resume and not (out_dir / "ckpt.pt").is_file():
         raise ConfigError(f"resume=true but {out_dir / 'ckpt.pt'} does not exist; start without --resume=true")
     check_writable_folder(out_dir, "out_dir")
@@ -253,3 +196,27 @@ def read_metrics(path: Path) -> list[tuple[str, dict]]:
             ) from None
         out.append((line, record))
     return out
+
+
+class MetricsFile:
+    """out_dir/metrics.jsonl, one record a line; a resumed run's log drops what was logged after its
+    checkpoint. Process 0 writes it (elsewhere enabled=False), each record also to `mirror` if given."""
+
+    def __init__(self, files: RunFiles, resume_step: int | None, enabled: bool = True, mirror=None) -> None:
+        self.files, self.enabled, self.mirror = files, enabled, mirror
+        if enabled:
+            path = files.path("metrics.jsonl")
+            kept = [] if resume_step is None else [line for line, r in read_metrics(path) if r["step"] <= resume_step]
+            write_atomically(path, "".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        path = self.files.path("metrics.jsonl")
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:  # a full disk, a file-size limit: one line, as for a checkpoint
+            raise SaveFailed(f"could not write {path} ({e.strerror or e})") from None
+        if self.mirror is not None:
+            self.mirror(record)

@@ -1,7 +1,7 @@
 """Benchmark attention variants for packed documents, side by side in one run.
 
-    python -m studies.bench                     # GPU: GPT-2 small at seq_len 1024, 4096, 8192; CPU: a small size
-    python -m studies.bench --seq_lens=1024 --tokens=32768 --layouts=synthetic --pos_embs=learned,rope
+    python -m bench.attention                   # GPU: GPT-2 small at seq_len 1024, 4096, 8192; CPU: a small size
+    python -m bench.attention --seq_lens=1024 --tokens=32768 --layouts=synthetic --pos_embs=learned,rope
 
 For each size, document layout and position kind, every variant runs (1) the real training step
 (forward, backward, AdamW; train.py's loss function, with the attention mask built outside the compiled
@@ -13,9 +13,9 @@ memory and, for FlexAttention, the BlockMask build time per step.
                     position gather (learned positions whatever --pos_embs says)
   reference_causal_cudnn  the same step with SDPA held to its cuDNN backend, CUDA only (on Hopper it can be
                     the faster causal kernel; the honest reference is the faster of the two)
-  flex_doc          FlexAttention, block-sparse document mask (what train.py uses on CUDA), its default mask
-                    function (GPTConfig.flex_mask)
-  flex_doc_by_position  the same with the mask function of one gather a score (model.document_causal_by_position)
+  flex_doc          FlexAttention, block-sparse document mask (what train.py uses on CUDA), with model.py's
+                    mask function (document_causal_by_ids)
+  flex_doc_by_position  the same with a mask function of one gather a score (document_causal_by_position, here)
   flex_causal       FlexAttention, causal mask only
   sdpa_causal       SDPA with is_causal, no document mask (train.py with doc_mask=false)
   sdpa_doc          SDPA with the dense document mask (what train.py uses on CPU)
@@ -51,21 +51,24 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import api
 import corpora
 import data
-import files
-import train
-from config import ConfigError, run_main, script_settings, setting
+from cli import run_main, script_settings
+from config import setting
 from data import Batch
+from errors import ConfigError, SaveFailed
 from model import (
-    FLEX_MASK_FUNCTIONS,
     GPT,
     GPTConfig,
     attend,
+    attention_mask,
     compiled_flex_attention,
     document_causal_block_mask,
+    document_causal_by_ids,
     document_causal_dense,
 )
+from run.folder import write_atomically
 from studies.tables import markdown_table
 
 VARIANTS = (
@@ -204,18 +207,13 @@ def bench_training_step(
     if device.type == "cuda":
         # the SDPA backend is fixed when a graph is traced, and dynamo would reuse another variant's graph
         torch._dynamo.reset()
-    cfg = dataclasses.replace(
-        config,
-        attn_impl="flex" if flex else "sdpa",
-        flex_mask=flex_mask_of(variant),
-        flex_kernel_options=kernel_options,
-    )
+    cfg = dataclasses.replace(config, attn_impl="flex" if flex else "sdpa", flex_kernel_options=kernel_options)
     doc = torch.zeros_like(doc_ids) if variant == "flex_causal" else doc_ids  # one document: a causal BlockMask
     batch = synthetic_batch(doc, cfg.vocab_size, doc_mask=variant != "sdpa_causal")
     torch.manual_seed(0)
     model = CausalReference(cfg).to(device) if reference else GPT(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    precision = train.autocast(device)
+    precision = api.precision(device)
     compiled = torch.compile(model) if device.type == "cuda" else model
     n_counted = batch.counted.sum()
 
@@ -227,7 +225,8 @@ def bench_training_step(
             if reference:
                 loss = compiled(batch.inputs, batch.inputs)  # targets: any tokens do
             else:
-                loss = train.token_losses(compiled, batch, cfg)[0].sum() / n_counted
+                mask = attention_mask_of(variant, batch, cfg)  # each step, outside the compiled model, as train.py
+                loss = compiled(batch.inputs, batch.position_ids, mask, batch.targets).sum() / n_counted
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -244,13 +243,39 @@ def bench_training_step(
     if device.type == "cuda":
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     if flex:
-        build = lambda: document_causal_block_mask(doc, FLEX_MASK_FUNCTIONS[cfg.flex_mask])  # noqa: E731
+        build = lambda: document_causal_block_mask(doc, mask_function_of(variant))  # noqa: E731
         result["block_mask_ms"] = timed(build, device, steps, warmup) * 1e3
     return result
 
 
-def flex_mask_of(variant: str) -> str:
-    return "by_position" if variant == "flex_doc_by_position" else GPTConfig.flex_mask
+def positions_in_documents(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) int32: how far each slot is into its document's run in the row, whatever reset_position_ids."""
+    ids = doc_ids.contiguous()
+    first_slot = torch.searchsorted(ids, ids)  # document ids never decrease along a row
+    return (torch.arange(ids.shape[-1], device=ids.device) - first_slot).to(torch.int32)
+
+
+def document_causal_by_position(doc_ids: torch.Tensor):
+    """model.document_causal_by_ids with one gather a score: a document is a contiguous run of its row, so key
+    kv is in query q's document iff it lies at most q's position in its document before q. Timed against it
+    here; the model keeps by_ids, the faster on an H200 (results/bench_gpu_h200)."""
+    within = positions_in_documents(doc_ids)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= within[b, q_idx])
+
+    return document_causal
+
+
+def mask_function_of(variant: str):
+    return document_causal_by_position if variant == "flex_doc_by_position" else document_causal_by_ids
+
+
+def attention_mask_of(variant: str, batch: Batch, cfg: GPTConfig):
+    """The mask train.py would build for this batch, with this variant's mask function."""
+    if variant.startswith("flex") and batch.doc_mask:
+        return document_causal_block_mask(batch.doc_ids, mask_function_of(variant))
+    return attention_mask(batch.doc_ids, batch.doc_mask, cfg.attn_impl)
 
 
 def bench_attention(
@@ -286,7 +311,7 @@ def bench_attention(
             mask = document_causal_dense(doc_ids)
         else:
             doc = torch.zeros_like(doc_ids) if variant == "flex_causal" else doc_ids
-            mask = document_causal_block_mask(doc, FLEX_MASK_FUNCTIONS[flex_mask_of(variant)])
+            mask = document_causal_block_mask(doc, mask_function_of(variant))
         if kernel_options is not None and variant.startswith("flex") and device.type == "cuda":
             attention = lambda: compiled_flex_attention(q, k, v, block_mask=mask, kernel_options=kernel_options)  # noqa: E731
         else:
@@ -346,7 +371,7 @@ class BenchSettings:
 
 def main(argv: list[str]) -> int:
     cuda = CUDA
-    args = script_settings(BenchSettings, argv, __doc__, "python -m studies.bench")
+    args = script_settings(BenchSettings, argv, __doc__, "python -m bench.attention")
     variants, layouts, pos_embs, seq_lens = args.variants, args.layouts, args.pos_embs, args.seq_lens
 
     def refuse(message: str) -> int:
@@ -374,13 +399,13 @@ def main(argv: list[str]) -> int:
     base = GPTConfig(vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     try:
         for seq_len in seq_lens:
-            train.check_fits(dataclasses.replace(base, seq_len=seq_len), max(1, args.tokens // seq_len), device)
+            api.check_fits(dataclasses.replace(base, seq_len=seq_len), max(1, args.tokens // seq_len), device)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
-        files.write_atomically(out, "{}")  # fails now, not after the benchmark, if it cannot be written
-    except files.SaveFailed as e:
+        write_atomically(out, "{}")  # fails now, not after the benchmark, if it cannot be written
+    except SaveFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     peak, peak_dtype = peak_matmul_flops(device)
@@ -398,7 +423,7 @@ def main(argv: list[str]) -> int:
     }
     try:
         run_all(args, report, out, seq_lens, variants, layouts, pos_embs, option_sets, base, device, peak)
-    except files.SaveFailed as e:  # a full disk or a file-size limit, after some rows: they stay in out
+    except SaveFailed as e:  # a full disk or a file-size limit, after some rows: they stay in out
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(format_table(report["results"], args.n_layer))
@@ -452,7 +477,7 @@ def run_all(args, report, out, seq_lens, variants, layouts, pos_embs, option_set
                             row["mfu"] = row["tokens_per_sec"] * flops / peak
                             row["mfu_doc"] = row["tokens_per_sec"] * (flops - attention + attention / ideal) / peak
                         report["results"].append(row)
-                        files.write_atomically(out, json.dumps(report, indent=1))
+                        write_atomically(out, json.dumps(report, indent=1))
                         name = f"T={seq_len} {layout} {row['pos_emb']} {variant}"
                         print(f"  done: {name} {row.get('error', '')}", flush=True)
                         gc.collect()

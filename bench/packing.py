@@ -1,12 +1,12 @@
 """How each packing holds the documents, side by side, and what planning best-fit rows costs.
 
-    python -m studies.bench_packing                                  # stdlib and packages at 256, 1024, 8192
-    python -m studies.bench_packing --datasets=stdlib --seq_lens=1024 --bos=true
-    python -m studies.bench_packing --plan_documents=2000000         # and best-fit planning at 2M documents
+    python -m bench.packing                                  # stdlib and packages at 256, 1024, 8192
+    python -m bench.packing --datasets=stdlib --seq_lens=1024 --bos=true
+    python -m bench.packing --plan_documents=2000000         # and best-fit planning at 2M documents
 
 For each dataset (prepared as train.py prepares it, with the default data settings) and seq_len: the training
 split's packing statistics under concat, bestfit and pad, as every run logs them at its start
-(data.packing_statistics). With --plan_documents: a synthetic split of that many documents, their lengths
+(reports.packing_statistics). With --plan_documents: a synthetic split of that many documents, their lengths
 drawn from the first dataset's, written as a shard file and memory-mapped like real shards; its rows are
 planned in a child process (finding the documents, then best fit), whose time and memory are reported: its
 peak resident memory, how much of it is the memory-mapped split's pages (which the OS can drop, and which
@@ -28,10 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from config import setting
+from reports import describe_packing, packing_statistics
 from studies.tables import markdown_table
 
 PACKINGS = ("concat", "bestfit", "pad")
-STATISTICS = {  # column: key of data.packing_statistics
+STATISTICS = {  # column: key of packing_statistics
     "documents a row": "documents_per_row",
     "padding": "padding_share",
     "documents split or cut": "documents_split_or_cut",
@@ -71,7 +72,7 @@ def plan_child(path: str, n_tokens: int, seq_len: int, eot_id: int) -> None:
 
 def planning(lengths: np.ndarray, n_documents: int, seq_len: int, work: Path) -> dict:
     """Best-fit planning of n_documents whose lengths are drawn from `lengths`, in a child process."""
-    from studies.bench_data import measure
+    from bench.preparation import measure
 
     drawn = np.random.default_rng(0).choice(lengths, n_documents)
     eot = 65535
@@ -99,11 +100,11 @@ class PackingBenchSettings:
 
 
 def main(argv: list[str]) -> int:
-    from config import ConfigError, parse_config, script_settings
-    from data import DataError
-    from files import SaveFailed, write_atomically
+    from cli import parse_config, script_settings
+    from errors import ConfigError, DataError, SaveFailed
+    from run.folder import write_atomically
 
-    args = script_settings(PackingBenchSettings, argv, __doc__, "python -m studies.bench_packing")
+    args = script_settings(PackingBenchSettings, argv, __doc__, "python -m bench.packing")
     seq_lens = args.seq_lens
     if not seq_lens or not args.datasets:
         print("error: give at least one dataset and one seq_len", file=sys.stderr)
@@ -122,8 +123,8 @@ def main(argv: list[str]) -> int:
 
 def benchmark(args, seq_lens: list[int], out: Path, parse_config) -> int:
     import data
-    from files import write_atomically
     from prepare import prepare_for
+    from run.folder import write_atomically
     from shards import load_shards, load_tokenizer, start_marker_id
 
     rows, first_lengths = [], None
@@ -138,11 +139,11 @@ def benchmark(args, seq_lens: list[int], out: Path, parse_config) -> int:
                 t0 = time.perf_counter()
                 planned = data.PACKINGS[packing](documents, seq_len)
                 seconds = time.perf_counter() - t0
-                stats = data.packing_statistics(documents, planned, seq_len)
+                stats = packing_statistics(documents, planned, seq_len)
                 rows.append(
                     {"dataset": dataset, "seq_len": seq_len, "packing": packing, "plan_seconds": seconds, **stats}
                 )
-                print(f"{dataset} seq_len={seq_len}: {data.describe_packing(packing, stats)}", flush=True)
+                print(f"{dataset} seq_len={seq_len}: {describe_packing(packing, stats)}", flush=True)
     lines = [
         f"machine: {platform.machine()}, {os.cpu_count()} cores; python {platform.python_version()}; "
         f"start marker: {str(args.bos).lower()}",
@@ -193,6 +194,6 @@ def benchmark(args, seq_lens: list[int], out: Path, parse_config) -> int:
 
 
 if __name__ == "__main__":
-    from config import run_main
+    from cli import run_main
 
     run_main(main)

@@ -4,7 +4,7 @@
 # training step of every attention variant side by side at T=1024 and T=8192, then the FlexAttention
 # kernel_options one set per row (attention call alone, with its error against the defaults).
 #
-#     OUT=out/bench_gpu bash studies/bench_gpu.sh
+#     OUT=out/bench_gpu bash bench/gpu.sh
 #
 # Each stage has its own time limit and writes its results as it goes, so a stage that runs out of time
 # keeps its finished rows and the next stage still runs. Compiled kernels are cached in
@@ -26,13 +26,13 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.t
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >"$OUT/env.txt" 2>&1
 
 stage test_gpu 90 python -m pytest -q tests/test_gpu.py
-stage bench_T1024 180 python -m studies.bench --seq_lens=1024 --tokens=32768 --layouts=synthetic \
+stage bench_T1024 180 python -m bench.attention --seq_lens=1024 --tokens=32768 --layouts=synthetic \
     --pos_embs=learned,rope --steps=10 --warmup=3 --out="$OUT/bench_T1024.json" \
     --variants=reference_causal,reference_causal_cudnn,flex_doc,flex_doc_by_position,sdpa_causal
-stage bench_T8192 80 python -m studies.bench --seq_lens=8192 --tokens=65536 --layouts=synthetic \
+stage bench_T8192 80 python -m bench.attention --seq_lens=8192 --tokens=65536 --layouts=synthetic \
     --pos_embs=learned --steps=5 --warmup=2 --out="$OUT/bench_T8192.json" \
     --variants=reference_causal,reference_causal_cudnn,flex_doc,sdpa_causal
-stage kernel_options 90 python -m studies.bench --seq_lens=1024 --tokens=32768 --layouts=synthetic \
+stage kernel_options 90 python -m bench.attention --seq_lens=1024 --tokens=32768 --layouts=synthetic \
     --pos_embs=learned --variants=flex_doc --attention_only=true --steps=20 --warmup=3 \
     --out="$OUT/kernel_options_T1024.json" --flex_kernel_options='[{}, {"PRESCALE_QK": true},
     {"fwd_BLOCK_N": 64}, {"fwd_num_warps": 8}, {"bwd_num_stages": 2}, {"bwd_num_stages": 4},

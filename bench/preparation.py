@@ -1,8 +1,8 @@
 """Benchmark data preparation at scale: a synthetic corpus of Python code, prepared by `python prepare.py`
 as JSONL and as parquet, side by side with raw tiktoken encoding the same text on the same machine.
 
-    python -m studies.bench_data              # 2 GB of text (about 30 minutes on 2 cores)
-    python -m studies.bench_data --gb=0.1     # a quick look
+    python -m bench.preparation              # 2 GB of text (about 30 minutes on 2 cores)
+    python -m bench.preparation --gb=0.1     # a quick look
 
 The corpus: the top-level definitions of the Python files of the installed packages (site-packages),
 repeated until the size is reached, each repetition with a header comment and a few identifiers renamed,
@@ -160,10 +160,11 @@ class DataBenchSettings:
 
 
 def main(argv: list[str]) -> int:
-    from config import script_settings
-    from files import SaveFailed, write_atomically
+    from cli import script_settings
+    from errors import SaveFailed
+    from run.folder import write_atomically
 
-    args = script_settings(DataBenchSettings, argv, __doc__, "python -m studies.bench_data")
+    args = script_settings(DataBenchSettings, argv, __doc__, "python -m bench.preparation")
     work, out = Path(args.work_dir), Path(args.out)
     if out.is_dir():
         print(f"error: out={out} is a folder; give a file name", file=sys.stderr)
@@ -180,7 +181,7 @@ def main(argv: list[str]) -> int:
 
 
 def benchmark(args, work: Path, out: Path) -> int:
-    from files import write_atomically
+    from run.folder import write_atomically
 
     corpus = work / f"corpus_{args.gb:g}gb"
     if not (corpus / "done.json").exists():
@@ -251,6 +252,6 @@ def benchmark(args, work: Path, out: Path) -> int:
 
 
 if __name__ == "__main__":
-    from config import run_main
+    from cli import run_main
 
     run_main(main)

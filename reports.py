@@ -1,0 +1,235 @@
+"""What a run reports, computed apart from the recipe: how a packing holds the documents, the evaluation's sums
+by position and by document (from which any band or subset of the validation documents can be scored), and
+the summary a run ends with."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from cli import format_duration
+from config import Config
+from data import Batch, Documents, PackedBatches, Rows
+from errors import ConfigError
+from model import GPT, attention_impl
+from run.folder import read_metrics
+
+if TYPE_CHECKING:
+    from run import Session
+
+# ----------------------------------------------------------------------------------------------
+# Packing statistics
+
+
+def packing_statistics(documents: Documents, rows: Rows, seq_len: int, max_rows: int = 8192) -> dict:
+    """How a packing holds the documents: per row and token from up to max_rows rows spread over the split;
+    documents split or cut from all of them."""
+    chosen = np.unique(np.linspace(0, len(rows) - 1, min(max_rows, len(rows))).astype(np.int64))
+    index, _ = rows.index(chosen, seq_len + 1)
+    index = index[:, :-1]  # the input slots
+    real = index >= 0
+    document = np.where(real, documents.document_of(np.maximum(index, 0)), -1)
+    run_starts = real & np.concatenate([np.ones((len(chosen), 1), bool), document[:, 1:] != document[:, :-1]], 1)
+    column = np.arange(seq_len)[None, :]
+    run_start_column = np.maximum.accumulate(np.where(run_starts, column, 0), axis=1)
+    from_document_start = index - documents.starts[np.maximum(document, 0)]  # counting the BOS
+    holds_start = real & (from_document_start == column - run_start_column)
+    sees_another = real & (np.cumsum(run_starts, axis=1) > 1)
+    whole = documents.starts + documents.lengths  # a document is whole when one piece holds all of it
+    by_start = np.argsort(rows.start, kind="stable")
+    piece = by_start[np.maximum(np.searchsorted(rows.start[by_start], documents.starts, side="right") - 1, 0)]
+    is_whole = (rows.start[piece] <= documents.starts) & (whole <= rows.start[piece] + rows.length[piece])
+    n_real = real.sum()
+    return {
+        "rows": len(rows),
+        "documents": len(documents),
+        "documents_per_row": float(run_starts.sum(1).mean()),
+        "padding_share": float(1 - n_real / real.size),
+        "documents_split_or_cut": float(1 - is_whole.mean()),
+        "tokens_with_their_document_start_in_the_row": float(holds_start.sum() / max(1, n_real)),
+        "tokens_seeing_another_document_without_the_mask": float(sees_another.sum() / max(1, n_real)),
+    }
+
+
+def describe_packing(packing: str, stats: dict) -> str:
+    return (
+        f"packing={packing}: {stats['rows']:,} rows, {stats['documents_per_row']:.2f} documents a row, "
+        f"{stats['padding_share']:.1%} padding, {stats['documents_split_or_cut']:.1%} of documents split or cut, "
+        f"{stats['tokens_with_their_document_start_in_the_row']:.1%} of tokens with their document's start in "
+        f"the row, {stats['tokens_seeing_another_document_without_the_mask']:.1%} that could see another "
+        "document without the mask"
+        + (
+            f"; {stats['rows_left_out_each_epoch']:,} rows left out of each epoch (its last, partial global batch; "
+            "each epoch's shuffle leaves out others)"
+            if stats.get("rows_left_out_each_epoch")
+            else ""
+        )
+    )
+
+
+def batches_statistics(batches: PackedBatches) -> dict:
+    """What every run logs at its start: its training rows' packing statistics, and how many rows each
+    epoch leaves out."""
+    statistics = packing_statistics(batches.documents, batches.rows, batches.seq_len)
+    return {**statistics, "rows_left_out_each_epoch": batches.rows_left_out_each_epoch()}
+
+
+# ----------------------------------------------------------------------------------------------
+# The evaluation's sums
+
+
+class DocumentLosses:
+    """The losses of the validation documents, each alone from its start (`alone`, packing=pad), summed by
+    position in the text (position p predicts the token after the p-th) and by document, with each first
+    token's loss under the marker: val_doc_loss, val_doc_loss_from_second (the targets both conventions
+    share) and the sums metrics.jsonl keeps."""
+
+    def __init__(self, alone: PackedBatches, device: torch.device) -> None:
+        self.document_of_row = torch.from_numpy(alone.document_of_rows()).to(device)  # a long one has several rows
+        self.n_documents, self.seq_len, self.marker = len(alone.documents), alone.seq_len, alone.documents.marker
+        self.batch_size = alone.batch_size
+        self.by_position = torch.zeros(2, self.seq_len, dtype=torch.float64, device=device)  # sums, counts
+        self.by_document = torch.zeros(3, self.n_documents, dtype=torch.float64, device=device)  # and first token
+
+    def add(self, first_row: int, losses: torch.Tensor, counted: torch.Tensor, batch: Batch) -> None:
+        """The losses of the batch of `alone`'s rows from first_row on."""
+        rows = self.document_of_row[first_row : first_row + self.batch_size]
+        real = slice(0, len(rows))  # the last batch is filled up with empty rows
+        from_bos = counted & (batch.doc_positions == -1)
+        sums = [losses[real].sum(1), counted[real].sum(1), (losses * from_bos)[real].sum(1)]
+        self.by_document.index_add_(1, rows, torch.stack([x.double() for x in sums]))
+        # a document's first row holds its text up to position seq_len - 1 - marker; a later chunk starts
+        # there or beyond, with nothing before it, and would make the last position's mean a row start's
+        in_text = counted & (batch.doc_positions >= 0) & (batch.doc_positions < self.seq_len - self.marker)
+        positions = batch.doc_positions[in_text]
+        ones = torch.ones_like(positions, dtype=torch.float64)
+        self.by_position.index_add_(1, positions, torch.stack([losses[in_text].double(), ones]))
+
+    def result(self) -> dict:
+        by_position = self.by_position[:, : int((self.by_position[1] > 0).sum())].tolist()
+        loss_sums, counts, first_token = self.by_document.tolist()
+        first_token_sum = self.by_document[2].sum().item()
+        from_second = (sum(loss_sums) - first_token_sum) / max(1.0, sum(counts) - self.marker * self.n_documents)
+        result = {
+            "val_doc_loss": sum(loss_sums) / max(1.0, sum(counts)),
+            "val_doc_loss_from_second": from_second,
+            "val_doc_loss_sum_by_position": [round(x, 4) for x in by_position[0]],
+            "val_doc_count_by_position": [int(x) for x in by_position[1]],
+            "val_doc_loss_sum_by_document": [round(x, 4) for x in loss_sums],
+            "val_doc_count_by_document": [int(x) for x in counts],
+        }
+        if self.marker:
+            result["val_first_token_loss"] = self.by_document[2].mean().item()
+            result["val_doc_first_token_loss_by_document"] = [round(x, 4) for x in first_token]
+        return result
+
+
+# ----------------------------------------------------------------------------------------------
+# The start of a run
+
+
+def describe_run(
+    cfg: Config, session: Session, model: GPT, train_rows: PackedBatches, val_alone: PackedBatches, val_tokens: int
+) -> None:
+    """The lines a run starts with; a new run's packing statistics also go to metrics.jsonl."""
+    processes = f", {session.world_size} processes" if session.world_size > 1 else ""
+    session.print(
+        f"model: {model.num_params() / 1e6:.2f}M parameters, pos_emb={cfg.pos_emb}, device={session.device}, "
+        f"attention={attention_impl(cfg.doc_mask, cfg.attn_impl, session.device)}{processes}"
+    )
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * session.world_size
+    resuming = f", resuming after step {session.first_step}" if session.resumed else ""
+    session.print(
+        f"run: {cfg.max_iters} steps of {tokens_per_step:,} tokens, packing={cfg.packing}, bos={cfg.bos}, "
+        f"doc_mask={cfg.doc_mask}, reset_position_ids={cfg.reset_position_ids}, "
+        f"mask_boundary_loss={cfg.mask_boundary_loss}{resuming}"
+    )
+    statistics = batches_statistics(train_rows)
+    session.print(f"data: {describe_packing(cfg.packing, statistics)}")
+    if session.resumed is None:
+        session.log({"step": 0, "packing_statistics": statistics})
+    session.print(f"eval: {val_tokens:,} validation tokens ({len(val_alone.documents):,} documents) per evaluation")
+
+
+class WandbMirror:
+    """metrics.jsonl's records mirrored to Weights & Biases (lists left out) until `close`; a
+    run never fails for want of wandb: it warns and goes on without."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.run = None
+        try:
+            import wandb
+
+            name, folder = cfg.wandb_run_name or Path(cfg.out_dir).name, os.environ.get("WANDB_DIR", cfg.out_dir)
+            config = dataclasses.asdict(cfg)
+            self.run = wandb.init(project=cfg.wandb_project, name=name, config=config, resume="allow", dir=folder)
+        except Exception as e:
+            print(
+                f"warning: wandb logging is off ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                "set WANDB_MODE=offline to log without an account",
+                file=sys.stderr,
+            )
+
+    def __call__(self, record: dict) -> None:
+        if self.run is not None:
+            self.run.log({k: v for k, v in record.items() if not isinstance(v, list)}, step=record["step"])
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+# ----------------------------------------------------------------------------------------------
+# The end of a run
+
+
+def train_command(cfg: Config, world_size: int, *settings: str) -> str:
+    """The command that resumes the run in cfg.out_dir, as many processes as wrote it, quoted to paste."""
+    launcher = ["python"] if world_size == 1 else ["torchrun", f"--nproc_per_node={world_size}"]
+    return shlex.join([*launcher, "train.py", f"--out_dir={cfg.out_dir}", "--resume=true", *settings])
+
+
+def run_summary(cfg: Config, seconds: float, world_size: int = 1, stopped_after: int | None = None) -> str:
+    """The lines every run ends with: the losses of its last evaluation (the last one metrics.jsonl holds),
+    the wall time, the checkpoint and the commands that come next; a stopped run's only one is its resume."""
+    out_dir = Path(cfg.out_dir)
+    try:
+        records = [record for _, record in read_metrics(out_dir / "metrics.jsonl")]
+    except ConfigError:  # a damaged log: what else the run has is still summarised
+        records = []
+    evaluation = next((r for r in reversed(records) if "val_doc_loss" in r), None)
+    trained = next((r for r in reversed(records) if "train_loss" in r), None)
+    if stopped_after is None:
+        lines = [f"\nrun finished: {cfg.max_iters} steps, {format_duration(seconds)} wall time"]
+    else:
+        lines = [f"\nrun stopped after step {stopped_after} of {cfg.max_iters}, {format_duration(seconds)} wall time"]
+    if evaluation is not None:
+        names = ["val_doc_loss", "val_loss"] + ["val_doc_loss_from_second"] * cfg.bos
+        losses = " | ".join(f"{name} {evaluation[name]:.4f}" for name in names if name in evaluation)
+        final = stopped_after is None and evaluation["step"] == cfg.max_iters
+        lines.append(f"  final {losses}" if final else f"  last evaluation (step {evaluation['step']}): {losses}")
+    elif trained is not None:
+        lines.append(f"  no evaluation; last train_loss {trained['train_loss']:.4f} (step {trained['step']})")
+    else:
+        lines.append("  no evaluation and no training step logged")
+    ckpt = out_dir / "ckpt.pt"
+    lines.append(f"  checkpoint: {ckpt}" if ckpt.is_file() else "  checkpoint: none written")
+    if stopped_after is not None:
+        return "\n".join([*lines, f"  resume:   {train_command(cfg, world_size)}"])
+    out = f"--out_dir={cfg.out_dir}"
+    return "\n".join(
+        [
+            *lines,
+            f"  sample:   {shlex.join(['python', 'sample.py', out])}",
+            f"  export:   {shlex.join(['python', 'export_hf.py', out, f'--to=hf/{out_dir.resolve().name}'])}",
+            f"  continue: {train_command(cfg, world_size, f'--max_iters={2 * cfg.max_iters}')}"
+            "  (the learning-rate schedule is re-timed: README, Runs)",
+        ]
+    )
