@@ -241,37 +241,57 @@ def _report_stale(data_dir: Path, source: Source, settings: Config, inputs: list
 def _prepare_into(out: Path, dataset: str, source: Source, settings: Config, inputs: list[list], log) -> dict:
     seconds = {"start": time.time()}
     total_bytes = sum(p[1] for p in inputs)
-    if settings.tokenizer == "bpe":
-        sample = _tokenizer_sample(source, settings, total_bytes, log)
-        if not sample:
-            raise DataError(
-                f"dataset {dataset!r} holds no non-empty documents"
-                if not any(True for _ in read_documents(source, settings.text_field))
-                else f"val_fraction={settings.val_fraction} leaves no training documents to train the tokenizer on"
-            )
-        enc = train_bpe(sample, settings.tokenizer_vocab_size)
-        trained_on = {"documents": len(sample), "characters": sum(map(len, sample))}
-        log(
-            f"data: trained tokenizer {enc.name} on {trained_on['documents']:,} documents "
-            f"({trained_on['characters'] / 1e6:.1f}M characters) in {time.time() - seconds['start']:.1f}s"
-        )
-        del sample
-    else:
-        enc, trained_on = load_named_tokenizer(settings.tokenizer), None
+    enc, trained_on = _tokenizer_for(dataset, source, settings, total_bytes, seconds["start"], log)
     write_tiktoken_file(enc, out / "tokenizer.tiktoken")
     dtype = np.dtype(np.uint16 if enc.n_vocab <= 2**16 else np.uint32)
     skipped: Counter = Counter()
     skipped_files: dict[str, list[str]] = {}  # by reason: the files skipped whole, by name
     repaired: Counter = Counter()  # by file: documents kept with U+FFFD in place of lone surrogates
+    reported = (skipped, skipped_files, repaired)
     seconds["tokenizer"] = time.time() - seconds["start"]
-    n_buckets = _encode_into_buckets(
-        out / "buckets", source, settings, enc, dtype, total_bytes, (skipped, skipped_files, repaired), log
-    )
+    n_buckets = _encode_into_buckets(out / "buckets", source, settings, enc, dtype, total_bytes, reported, log)
     seconds["encoding"] = time.time() - seconds["start"] - seconds["tokenizer"]
     splits = _write_shards(out, n_buckets, dtype, skipped, log)
     shutil.rmtree(out / "buckets")
     seconds["total"] = time.time() - seconds.pop("start")
     seconds["shards"] = seconds["total"] - seconds["tokenizer"] - seconds["encoding"]
+    _check_splits(dataset, settings, splits)
+    meta = _meta(out, dataset, source, settings, enc, trained_on, dtype, reported, splits, total_bytes)
+    # timings vary from run to run: kept apart, so that the folder's content digest is the same on every machine
+    timings = {"seconds": {phase: round(s, 2) for phase, s in seconds.items()}, "prepared_at": time.time()}
+    (out / "inputs.json").write_text(json.dumps(inputs))
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    (out / TIMINGS_FILE).write_text(json.dumps(timings, indent=1))
+    for line in describe(meta, timings):
+        log(line)
+    return meta
+
+
+def _tokenizer_for(
+    dataset: str, source: Source, settings: Config, total_bytes: int, started: float, log
+) -> tuple[tiktoken.Encoding, dict | None]:
+    """(the tokenizer, what it was trained on): a BPE trained on a sample of the training documents, or a
+    named tokenizer (trained on nothing here: None). `started`: when preparation began, for the log line."""
+    if settings.tokenizer != "bpe":
+        return load_named_tokenizer(settings.tokenizer), None
+    sample = _tokenizer_sample(source, settings, total_bytes, log)
+    if not sample:
+        raise DataError(
+            f"dataset {dataset!r} holds no non-empty documents"
+            if not any(True for _ in read_documents(source, settings.text_field))
+            else f"val_fraction={settings.val_fraction} leaves no training documents to train the tokenizer on"
+        )
+    enc = train_bpe(sample, settings.tokenizer_vocab_size)
+    trained_on = {"documents": len(sample), "characters": sum(map(len, sample))}
+    log(
+        f"data: trained tokenizer {enc.name} on {trained_on['documents']:,} documents "
+        f"({trained_on['characters'] / 1e6:.1f}M characters) in {time.time() - started:.1f}s"
+    )
+    return enc, trained_on
+
+
+def _check_splits(dataset: str, settings: Config, splits: dict) -> None:
+    """A DataError unless the shards hold at least 2 distinct documents and both splits some of them."""
     n_docs = sum(s["documents"] for s in splits.values())
     if n_docs == 0:
         raise DataError(f"dataset {dataset!r} holds no non-empty documents")
@@ -283,7 +303,24 @@ def _prepare_into(out: Path, dataset: str, source: Source, settings: Config, inp
                 f"val_fraction={settings.val_fraction} puts all {n_docs} distinct documents in {other} and none in "
                 f"{split}; {'lower' if split == 'train' else 'raise'} it (or use more documents)"
             )
-    meta = {
+
+
+def _meta(
+    out: Path,
+    dataset: str,
+    source: Source,
+    settings: Config,
+    enc: tiktoken.Encoding,
+    trained_on: dict | None,
+    dtype: np.dtype,
+    reported: tuple[Counter, dict[str, list[str]], Counter],
+    splits: dict,
+    total_bytes: int,
+) -> dict:
+    """meta.json: what the shards hold and how they were made. `reported`: what was left out, counted by
+    reason, the files skipped whole, by name, and the documents repaired, counted by file."""
+    skipped, skipped_files, repaired = reported
+    return {
         "format_version": SHARD_FORMAT_VERSION,
         "dataset": dataset,
         "source": source.identity,
@@ -305,14 +342,6 @@ def _prepare_into(out: Path, dataset: str, source: Source, settings: Config, inp
         "splits": splits,
         "bytes_read": total_bytes,
     }
-    # timings vary from run to run: kept apart, so that the folder's content digest is the same on every machine
-    timings = {"seconds": {phase: round(s, 2) for phase, s in seconds.items()}, "prepared_at": time.time()}
-    (out / "inputs.json").write_text(json.dumps(inputs))
-    (out / "meta.json").write_text(json.dumps(meta, indent=1))
-    (out / TIMINGS_FILE).write_text(json.dumps(timings, indent=1))
-    for line in describe(meta, timings):
-        log(line)
-    return meta
 
 
 def _tokenizer_sample(source: Source, settings: Config, total_bytes: int, log) -> list[str]:
@@ -372,40 +401,69 @@ def _encode_into_buckets(
     <split>_<bucket>.tokens and .index (key, length per document). `reported`: what was left out, counted
     by reason, the files skipped whole, by name, and the documents whose lone surrogates were replaced,
     counted by file (read_documents fills them). Returns the number of buckets."""
+    n_buckets = _bucket_count(source, total_bytes)
+    folder.mkdir()
+    progress = preparation_progress("encoding", total_bytes, log)
+    buckets = _BucketFiles(folder, n_buckets, progress)
+    _encode_on_all_cores(source, settings, enc, dtype, reported, progress, buckets.store)
+    buckets.flush()
+    progress.close()
+    return n_buckets
+
+
+def _bucket_count(source: Source, total_bytes: int) -> int:
+    """Enough buckets for about BUCKET_TEXT_BYTES of text each, from an estimate of the corpus's text."""
     compressed = sum(1 for p in source.files if file_kind(p) == "parquet" or p.name.endswith((".gz", ".zst")))
     estimate = total_bytes * (4 if compressed else 1)  # compressed corpora hold more text than their size
-    n_buckets = min(4096, max(1, math.ceil(estimate / BUCKET_TEXT_BYTES)))
-    folder.mkdir()
-    buffers: dict[tuple[str, int], tuple[list, list, list]] = {}  # (split, bucket): tokens, keys, lengths
-    buffered = 0
+    return min(4096, max(1, math.ceil(estimate / BUCKET_TEXT_BYTES)))
 
-    def flush() -> None:
-        nonlocal buffered
-        for (split, bucket), (tokens, keys, lengths) in buffers.items():
-            with open(folder / f"{split}_{bucket:05d}.tokens", "ab") as f:
-                np.concatenate(tokens).tofile(f)
-            index = np.empty(len(keys), dtype=INDEX_DTYPE)
-            index["key"], index["length"] = keys, lengths
-            with open(folder / f"{split}_{bucket:05d}.index", "ab") as f:
-                index.tofile(f)
-        buffers.clear()
-        buffered = 0
 
-    def store(batch_keys: list[tuple[int, bool]], encoded: tuple[np.ndarray, np.ndarray]) -> None:
-        nonlocal buffered
+class _BucketFiles:
+    """The encoded documents of each (split, bucket), held in memory and appended to the bucket files
+    once FLUSH_BYTES of tokens are held."""
+
+    def __init__(self, folder: Path, n_buckets: int, progress: Progress) -> None:
+        self.folder, self.n_buckets, self.progress = folder, n_buckets, progress
+        self.buffers: dict[tuple[str, int], tuple[list, list, list]] = {}  # (split, bucket): tokens, keys, lengths
+        self.buffered = 0
+
+    def store(self, batch_keys: list[tuple[int, bool]], encoded: tuple[np.ndarray, np.ndarray]) -> None:
+        """One encoded batch: (order key, in val) of each document, and _encode_batch's tokens and lengths."""
         tokens, lengths = encoded
         for (key, is_val), end, length in zip(batch_keys, np.cumsum(lengths).tolist(), lengths.tolist()):
-            bucket = buffers.setdefault(("val" if is_val else "train", key * n_buckets >> 64), ([], [], []))
+            bucket = self.buffers.setdefault(("val" if is_val else "train", key * self.n_buckets >> 64), ([], [], []))
             bucket[0].append(tokens[end - length : end])
             bucket[1].append(key)
             bucket[2].append(length)
-        buffered += tokens.nbytes
-        progress.advance(tokens=int(lengths.sum()))
-        if buffered >= FLUSH_BYTES:
-            flush()
+        self.buffered += tokens.nbytes
+        self.progress.advance(tokens=int(lengths.sum()))
+        if self.buffered >= FLUSH_BYTES:
+            self.flush()
 
+    def flush(self) -> None:
+        for (split, bucket), (tokens, keys, lengths) in self.buffers.items():
+            with open(self.folder / f"{split}_{bucket:05d}.tokens", "ab") as f:
+                np.concatenate(tokens).tofile(f)
+            index = np.empty(len(keys), dtype=INDEX_DTYPE)
+            index["key"], index["length"] = keys, lengths
+            with open(self.folder / f"{split}_{bucket:05d}.index", "ab") as f:
+                index.tofile(f)
+        self.buffers.clear()
+        self.buffered = 0
+
+
+def _encode_on_all_cores(
+    source: Source,
+    settings: Config,
+    enc,
+    dtype,
+    reported: tuple[Counter, dict[str, list[str]], Counter],
+    progress: Progress,
+    store: Callable[[list[tuple[int, bool]], tuple[np.ndarray, np.ndarray]], None],
+) -> None:
+    """Read the documents and encode them in batches on a thread per core, handing each batch to `store`
+    in reading order. At most two batches a thread are in flight, so memory does not grow with the corpus."""
     threads = os.cpu_count() or 1
-    progress = preparation_progress("encoding", total_bytes, log)
     in_flight: deque = deque()
     batch: list[str] = []
     batch_keys: list[tuple[int, bool]] = []
@@ -433,9 +491,6 @@ def _encode_into_buckets(
         finally:
             for _, future in in_flight:
                 future.cancel()
-    flush()
-    progress.close()
-    return n_buckets
 
 
 def _write_shards(out: Path, n_buckets: int, dtype, skipped: Counter, log) -> dict:

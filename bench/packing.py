@@ -144,46 +144,11 @@ def benchmark(args, seq_lens: list[int], out: Path, parse_config) -> int:
                     {"dataset": dataset, "seq_len": seq_len, "packing": packing, "plan_seconds": seconds, **stats}
                 )
                 print(f"{dataset} seq_len={seq_len}: {describe_packing(packing, stats)}", flush=True)
-    lines = [
-        f"machine: {platform.machine()}, {os.cpu_count()} cores; python {platform.python_version()}; "
-        f"start marker: {str(args.bos).lower()}",
-        "",
-    ]
-    table = [
-        [r["dataset"], f"{r['seq_len']:,}", r["packing"], f"{r['rows']:,}"]
-        + [f"{r[key]:.2f}" if key == "documents_per_row" else f"{r[key]:.1%}" for key in STATISTICS.values()]
-        for r in rows
-    ]
-    lines += markdown_table(["dataset", "seq_len", "packing", "rows", *STATISTICS], table)
+    lines = packing_lines(rows, args.bos)
     results: dict = {"bos": args.bos, "packings": rows}
     if args.plan_documents:
-        with tempfile.TemporaryDirectory(dir=".") as work:
-            for seq_len in seq_lens:
-                plan = planning(first_lengths, args.plan_documents, seq_len, Path(work))
-                results.setdefault("planning", []).append(plan)
-        lines += [
-            "",
-            f"Best-fit planning of {args.plan_documents:,} documents (lengths drawn from "
-            f"{args.datasets[0]}'s), memory-mapped, in one process:",
-            "",
-        ]
-        header = ["seq_len", "tokens", "rows", "padding", "finding the documents s", "planning in all s", "peak RSS GB"]
-        header += ["of which the mapped split GB", "anonymous memory at the end GB"]
-        table = [
-            [
-                f"{p['seq_len']:,}",
-                f"{p['tokens']:,}",
-                f"{p['rows']:,}",
-                f"{p['padding_share']:.3%}",
-                f"{p['finding_documents_seconds']:.1f}",
-                f"{p['seconds']:.1f}",
-                f"{p['peak_rss_gb']:.2f}",
-                f"{p['mapped_split_gb']:.2f}",
-                f"{p['anonymous_gb']:.2f}",
-            ]
-            for p in results["planning"]
-        ]
-        lines += markdown_table(header, table)
+        results["planning"] = time_planning(first_lengths, args.plan_documents, seq_lens)
+        lines += planning_lines(results["planning"], args.plan_documents, args.datasets[0])
     report = "\n".join(lines) + "\n"
     results["report"] = report
     write_atomically(out, json.dumps(results, indent=1))
@@ -191,6 +156,54 @@ def benchmark(args, seq_lens: list[int], out: Path, parse_config) -> int:
     print(report)
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
+
+
+def packing_lines(rows: list[dict], bos: bool) -> list[str]:
+    """The machine and the table of each dataset's packing statistics."""
+    lines = [
+        f"machine: {platform.machine()}, {os.cpu_count()} cores; python {platform.python_version()}; "
+        f"start marker: {str(bos).lower()}",
+        "",
+    ]
+    table = [
+        [r["dataset"], f"{r['seq_len']:,}", r["packing"], f"{r['rows']:,}"]
+        + [f"{r[key]:.2f}" if key == "documents_per_row" else f"{r[key]:.1%}" for key in STATISTICS.values()]
+        for r in rows
+    ]
+    return lines + markdown_table(["dataset", "seq_len", "packing", "rows", *STATISTICS], table)
+
+
+def time_planning(lengths: np.ndarray, n_documents: int, seq_lens: list[int]) -> list[dict]:
+    """planning() at each seq_len, its synthetic split written in a temporary folder of the current one."""
+    with tempfile.TemporaryDirectory(dir=".") as work:
+        return [planning(lengths, n_documents, seq_len, Path(work)) for seq_len in seq_lens]
+
+
+def planning_lines(plans: list[dict], n_documents: int, dataset: str) -> list[str]:
+    """The table of best-fit planning at each seq_len, under a line that says what was planned."""
+    lines = [
+        "",
+        f"Best-fit planning of {n_documents:,} documents (lengths drawn from "
+        f"{dataset}'s), memory-mapped, in one process:",
+        "",
+    ]
+    header = ["seq_len", "tokens", "rows", "padding", "finding the documents s", "planning in all s", "peak RSS GB"]
+    header += ["of which the mapped split GB", "anonymous memory at the end GB"]
+    table = [
+        [
+            f"{p['seq_len']:,}",
+            f"{p['tokens']:,}",
+            f"{p['rows']:,}",
+            f"{p['padding_share']:.3%}",
+            f"{p['finding_documents_seconds']:.1f}",
+            f"{p['seconds']:.1f}",
+            f"{p['peak_rss_gb']:.2f}",
+            f"{p['mapped_split_gb']:.2f}",
+            f"{p['anonymous_gb']:.2f}",
+        ]
+        for p in plans
+    ]
+    return lines + markdown_table(header, table)
 
 
 if __name__ == "__main__":

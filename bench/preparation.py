@@ -184,32 +184,53 @@ def benchmark(args, work: Path, out: Path) -> int:
     from run.folder import write_atomically
 
     corpus = work / f"corpus_{args.gb:g}gb"
-    if not (corpus / "done.json").exists():
-        print(f"generating {args.gb:g} GB of text in {corpus} ...", flush=True)
-        t0 = time.time()
-        info = generate(corpus, int(args.gb * 1e9))
-        (corpus / "done.json").write_text(json.dumps({**info, "seconds": time.time() - t0}))
-    info = json.loads((corpus / "done.json").read_text())
-    sizes = {p.name: p.stat().st_size for p in corpus.iterdir()}
-    print(f"corpus: {info['documents']:,} documents, {info['characters'] / 1e9:.2f} G characters; {sizes}", flush=True)
-
+    info, sizes = generated_corpus(corpus, args.gb)
     results: dict = {"corpus": {**info, "file_bytes": sizes}}
     shards = work / "data"
     results["prepare_bpe"] = measure_preparation(corpus / "corpus.jsonl", shards / "bpe")
     tokenizer = str(Path(results["prepare_bpe"]["folder"]).resolve() / "tokenizer.tiktoken")
-    raw = measure(
-        [
-            sys.executable,
-            "-c",
-            f"from studies import bench_data; bench_data.raw_tiktoken({str(corpus / 'corpus.jsonl')!r}, {tokenizer!r})",
-        ]
-    )
-    results["raw_tiktoken"] = {**json.loads(raw["output"]), "peak_rss_gb": raw["peak_rss_gb"]}
+    results["raw_tiktoken"] = measure_raw_tiktoken(corpus / "corpus.jsonl", tokenizer)
     runs = {"jsonl": "corpus.jsonl", "parquet": "corpus.parquet", "half_jsonl": "half.jsonl"}
     runs["half_parquet"] = "half.parquet"
     for name, dataset in runs.items():
         results[f"prepare_{name}"] = measure_preparation(corpus / dataset, shards / name, tokenizer)
 
+    report = "\n".join(report_lines(info, results, ("bpe", *runs)))
+    results["report"] = report
+    write_atomically(out, json.dumps(results, indent=1))
+    print(report)
+    print(f"wrote {out}")
+    return 0
+
+
+def generated_corpus(corpus: Path, gb: float) -> tuple[dict, dict[str, int]]:
+    """The corpus of `gb` GB of text in its folder, generated unless an earlier run finished it: its
+    documents and characters, and the size of each of its files."""
+    if not (corpus / "done.json").exists():
+        print(f"generating {gb:g} GB of text in {corpus} ...", flush=True)
+        t0 = time.time()
+        info = generate(corpus, int(gb * 1e9))
+        (corpus / "done.json").write_text(json.dumps({**info, "seconds": time.time() - t0}))
+    info = json.loads((corpus / "done.json").read_text())
+    sizes = {p.name: p.stat().st_size for p in corpus.iterdir()}
+    print(f"corpus: {info['documents']:,} documents, {info['characters'] / 1e9:.2f} G characters; {sizes}", flush=True)
+    return info, sizes
+
+
+def measure_raw_tiktoken(corpus: Path, tokenizer: str) -> dict:
+    """raw_tiktoken over a JSONL corpus in a process of its own: its figures and peak memory."""
+    raw = measure(
+        [
+            sys.executable,
+            "-c",
+            f"from studies import bench_data; bench_data.raw_tiktoken({str(corpus)!r}, {tokenizer!r})",
+        ]
+    )
+    return {**json.loads(raw["output"]), "peak_rss_gb": raw["peak_rss_gb"]}
+
+
+def report_lines(info: dict, results: dict, names: tuple[str, ...]) -> list[str]:
+    """The machine, the corpus and the table of every run: raw tiktoken, then `prepare {name}` for each name."""
     raw = results["raw_tiktoken"]
     raw_rate = raw["tokens"] / raw["encode_seconds"]
     lines = [
@@ -227,7 +248,7 @@ def benchmark(args, work: Path, out: Path) -> int:
             f"{raw['peak_rss_gb']:.2f}",
         ]
     ]
-    for name in ("bpe", *runs):
+    for name in names:
         r = results[f"prepare_{name}"]
         # the same text as raw tiktoken encoded (the half corpus aside): compare the times
         ratio = "-" if name.startswith("half") else f"{raw['encode_seconds'] / r['seconds']:.2f}x"
@@ -242,13 +263,7 @@ def benchmark(args, work: Path, out: Path) -> int:
             ]
         )
     header = ["run", "wall s", "tokens written", "tokens/s", "speed vs raw tiktoken", "peak RSS GB"]
-    lines += markdown_table(header, table)
-    report = "\n".join(lines)
-    results["report"] = report
-    write_atomically(out, json.dumps(results, indent=1))
-    print(report)
-    print(f"wrote {out}")
-    return 0
+    return lines + markdown_table(header, table)
 
 
 if __name__ == "__main__":

@@ -287,26 +287,54 @@ def probe(
     over pairs, in the compute precision `dtype` (api.precision)."""
     pairs = fitting_pairs(pairs, model.config.seq_len)
     logp = import_logprob(model, flags, enc.eot_token, pairs, device, dtype)
+    return {
+        "pairs": len(pairs),
+        "logprob": logprob_changes(logp),
+        "logprob_alone_mean": float(np.mean(list(logp[None].values()))),
+        "sampling": sampled_leaks(model, flags, enc, pairs, samples, device, dtype),
+    }
+
+
+def logprob_changes(logp: dict) -> dict:
+    """import_logprob's log-probs as changes: each condition against B alone, and the importing file
+    against the neutral one."""
     alone, neutral = logp[None], logp["neutral"]
-
-    def change(values: dict, baseline: dict, **described) -> dict:
-        deltas = [values[p] - baseline[p] for p in values if p in baseline]
-        low, high = paired_effect(deltas).interval(0.95) if deltas else (None, None)
-        return {
-            **described,
-            "pairs": len(deltas),
-            "delta_logprob": float(np.mean(deltas)) if deltas else None,
-            "ci95": [low, high] if deltas and np.isfinite(low) else None,
-        }
-
     by_setting = {
-        f"k={k},extra={extra}": change(logp[k, extra], alone, files=k, extra_tokens=extra)
+        f"k={k},extra={extra}": logprob_change(logp[k, extra], alone, files=k, extra_tokens=extra)
         for k in PRECEDING_FILES
         for extra in EXTRA_TOKENS
     }
-    by_setting["neutral"] = change(neutral, alone, files="1 not importing m", extra_tokens=0)
+    by_setting["neutral"] = logprob_change(neutral, alone, files="1 not importing m", extra_tokens=0)
     # the importing file against a file that does not import m: what the import itself adds
-    by_setting["k=1,extra=0 vs neutral"] = change(logp[1, 0], neutral, files="1 vs 1 not importing m", extra_tokens=0)
+    by_setting["k=1,extra=0 vs neutral"] = logprob_change(
+        logp[1, 0], neutral, files="1 vs 1 not importing m", extra_tokens=0
+    )
+    return by_setting
+
+
+def logprob_change(values: dict, baseline: dict, **described) -> dict:
+    """The mean change from `baseline` over the pairs that both have, with its 95% interval."""
+    deltas = [values[p] - baseline[p] for p in values if p in baseline]
+    low, high = paired_effect(deltas).interval(0.95) if deltas else (None, None)
+    return {
+        **described,
+        "pairs": len(deltas),
+        "delta_logprob": float(np.mean(deltas)) if deltas else None,
+        "ci95": [low, high] if deltas and np.isfinite(low) else None,
+    }
+
+
+def sampled_leaks(
+    model: GPT,
+    flags: Flags,
+    enc: tiktoken.Encoding,
+    pairs: list[LeakPair],
+    samples: int,
+    device: torch.device,
+    dtype: str,
+) -> dict:
+    """How often the import line sampled for B names a module of the file before it, with that file before
+    B and with B alone, `samples` times a pair; the difference with its 95% interval over pairs."""
     generator = torch.Generator()
     repeated = [p for p in pairs for _ in range(samples)]
     conditions = {}
@@ -323,18 +351,13 @@ def probe(
     per_pair = (leak_after - leak_alone).reshape(len(pairs), samples).mean(1)
     low, high = paired_effect(per_pair.tolist()).interval(0.95)
     return {
-        "pairs": len(pairs),
-        "logprob": by_setting,
-        "logprob_alone_mean": float(np.mean(list(alone.values()))),
-        "sampling": {
-            "samples": len(repeated),
-            "leak_rate_after": float(leak_after.mean()),
-            "leak_rate_alone": float(leak_alone.mean()),
-            "difference": float(per_pair.mean()),
-            "ci95": [low, high] if np.isfinite(low) else None,
-            "import_line_rate_after": float(lines_after.mean()),
-            "import_line_rate_alone": float(lines_alone.mean()),
-        },
+        "samples": len(repeated),
+        "leak_rate_after": float(leak_after.mean()),
+        "leak_rate_alone": float(leak_alone.mean()),
+        "difference": float(per_pair.mean()),
+        "ci95": [low, high] if np.isfinite(low) else None,
+        "import_line_rate_after": float(lines_after.mean()),
+        "import_line_rate_alone": float(lines_alone.mean()),
     }
 
 

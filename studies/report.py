@@ -224,15 +224,28 @@ def describe_effect(entry: dict) -> str:
 
 
 def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cfg: Config, extra: dict) -> str:
-    def ms(pair, digits: int = 3) -> str:
-        return f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
+    lines = [
+        *setup_lines(summary, env, study, cfg, extra),
+        *decision_rule_lines(summary, study, offsets),
+        *primary_lines(summary, study),
+        *secondary_lines(summary),
+        *cell_lines(summary),
+        *import_leak_lines(summary),
+    ]
+    return "\n".join(lines) + "\n"
 
+
+def mean_sd(pair: tuple[float, float]) -> str:
+    """A (mean, sd) pair, as every table shows it."""
+    return f"{pair[0]:.3f} ± {pair[1]:.3f}"
+
+
+def setup_lines(summary: dict, env: dict, study: Study, cfg: Config, extra: dict) -> list[str]:
+    """The title and what was run: the command, the machine, the commits, the model, data and regime, seeds."""
     regime = extra["regime"]
     pad_factor = extra["pad_steps_factor"]
     seeds = {key: len(cell["seeds"]) for key, cell in summary.items()}
-    roles = [(key, name, e.get("role")) for key, c in summary.items() for name, e in c["endpoints"].items()]
-    n_primary = sum(1 for _, _, role in roles if role == "primary")
-    lines = [
+    return [
         "# Ablation results",
         "",
         f"- command: `{env['command']}`",
@@ -253,24 +266,18 @@ def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cf
         f"(documents: median {regime['median_document_tokens']:.0f}, mean {regime['mean_document_tokens']:.0f} tokens)",
         f"- seeds {study.first_seed} onwards; per cell: " + ", ".join(f"{key} {n}" for key, n in seeds.items()),
         f"- wall time of the study (timing: it depends on the machine's load, and decides nothing): {extra['wall']}",
+    ]
+
+
+def decision_rule_lines(summary: dict, study: Study, offsets: list[int]) -> list[str]:
+    """The pre-registered endpoints of each role and how each is decided."""
+    roles = [(key, name, e.get("role")) for key, c in summary.items() for name, e in c["endpoints"].items()]
+    n_primary = sum(1 for _, _, role in roles if role == "primary")
+    return [
         "",
         "## Pre-registered endpoints and decision rules",
         "",
-        "- primary: "
-        + "; ".join(
-            f"`{v}`: " + ", ".join(ENDPOINT_NAMES[n] for n in primary_endpoints(study, v))
-            for v in study.variants
-            if primary_endpoints(study, v)
-        )
-        + f". Bands are within-document positions (position p predicts the token after the p-th): early "
-        f"{study.early_band[0]}-{study.early_band[1] - 1}"
-        + (f", late {study.late_band[0]}-{study.late_band[1] - 1}" if study.late_band else "")
-        + ", "
-        "of every validation document alone; `val_doc_loss` is every token of every validation document alone "
-        "(with the start marker, the first one too). Each effect is the mean over seeds of the difference to "
-        "the baseline's run of the same seed (the reference, unless "
-        + (", ".join(f"`{v}` against `{b}`" for v, b in BASELINES.items() if v in study.variants) or "none differs")
-        + "; paired, each cell with its own variance, n - 1 degrees of freedom).",
+        primary_rule(study),
         f"- verdicts at family-wise α = {stats.ALPHA} (Holm, over the {n_primary} primary tests, once for "
         "difference and once for equivalence): `negligible` when the equivalence test (TOST) rejects "
         f"|effect| ≥ {study.margin_band} nats (bands) or {study.margin_doc_loss} (val_doc_loss); else `hurts` / "
@@ -290,6 +297,33 @@ def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cf
         "with the mask, and reset or RoPE, nothing before a document changes it), each seed's value is "
         f"checked against the reference's (or 0): within {study.invariance_tolerance:g} nats, bitwise where "
         "equal.",
+    ]
+
+
+def primary_rule(study: Study) -> str:
+    """The primary endpoints of each variant, what the bands and val_doc_loss measure, and what an effect is."""
+    return (
+        "- primary: "
+        + "; ".join(
+            f"`{v}`: " + ", ".join(ENDPOINT_NAMES[n] for n in primary_endpoints(study, v))
+            for v in study.variants
+            if primary_endpoints(study, v)
+        )
+        + f". Bands are within-document positions (position p predicts the token after the p-th): early "
+        f"{study.early_band[0]}-{study.early_band[1] - 1}"
+        + (f", late {study.late_band[0]}-{study.late_band[1] - 1}" if study.late_band else "")
+        + ", "
+        "of every validation document alone; `val_doc_loss` is every token of every validation document alone "
+        "(with the start marker, the first one too). Each effect is the mean over seeds of the difference to "
+        "the baseline's run of the same seed (the reference, unless "
+        + (", ".join(f"`{v}` against `{b}`" for v, b in BASELINES.items() if v in study.variants) or "none differs")
+        + "; paired, each cell with its own variance, n - 1 degrees of freedom)."
+    )
+
+
+def primary_lines(summary: dict, study: Study) -> list[str]:
+    """Each primary endpoint of each cell: the baseline's and the variant's mean ± sd, the effect and verdict."""
+    lines = [
         "",
         "## Primary endpoints",
         "",
@@ -310,13 +344,17 @@ def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cf
                 else ""
             )
             primary_rows.append(
-                [pos, variant, ENDPOINT_NAMES[name], ms(stats.mean_spread(ref)), ms(entry["mean_sd"])]
+                [pos, variant, ENDPOINT_NAMES[name], mean_sd(stats.mean_spread(ref)), mean_sd(entry["mean_sd"])]
                 + [describe_effect(entry), holm_p, len(cell["seeds"])]
             )
     header = ["position kind", "variant", "endpoint", "baseline", "variant", "effect [95% CI]: verdict", "Holm p"]
-    lines += markdown_table(header + ["seeds"], primary_rows)
+    return lines + markdown_table(header + ["seeds"], primary_rows)
+
+
+def secondary_lines(summary: dict) -> list[str]:
+    """Every decided endpoint of every cell: the secondary effects and bounds, and the invariance checks."""
     secondary = [name for name in ENDPOINT_NAMES if any(name in c["endpoints"] for c in summary.values())]
-    lines += [
+    lines = [
         "",
         "## Secondary endpoints and invariances",
         "",
@@ -331,8 +369,12 @@ def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cf
         ]
         for key, cell in summary.items()
     ]
-    lines += markdown_table(["cell", *(ENDPOINT_NAMES[n] for n in secondary)], secondary_rows)
-    lines += [
+    return lines + markdown_table(["cell", *(ENDPOINT_NAMES[n] for n in secondary)], secondary_rows)
+
+
+def cell_lines(summary: dict) -> list[str]:
+    """Each cell's losses and timings, mean ± sd over its seeds."""
+    lines = [
         "",
         "## Each cell (mean ± sd over seeds)",
         "",
@@ -344,34 +386,38 @@ def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cf
     for key, cell in summary.items():
         e = cell["endpoints"]
         cell_rows.append(
-            [key, len(cell["seeds"]), ms(e["val_doc_loss"]["mean_sd"]), ms(e["early"]["mean_sd"])]
-            + [ms(e["middle"]["mean_sd"]), ms(e["val_loss"]["mean_sd"]), f"{e['wall_seconds']['mean_sd'][0]:.1f}"]
-            + [f"{e['useful_tokens_per_sec']['mean_sd'][0]:,.0f}"]
+            [key, len(cell["seeds"]), mean_sd(e["val_doc_loss"]["mean_sd"]), mean_sd(e["early"]["mean_sd"])]
+            + [mean_sd(e["middle"]["mean_sd"]), mean_sd(e["val_loss"]["mean_sd"])]
+            + [f"{e['wall_seconds']['mean_sd'][0]:.1f}", f"{e['useful_tokens_per_sec']['mean_sd'][0]:,.0f}"]
         )
     header = ["cell", "seeds", "val_doc_loss", "early band", "middle band", "val_loss (own packing)"]
-    lines += markdown_table(header + ["train s (timing, load-dependent)", "useful tok/s (timing)"], cell_rows)
+    return lines + markdown_table(header + ["train s (timing, load-dependent)", "useful tok/s (timing)"], cell_rows)
+
+
+def import_leak_lines(summary: dict) -> list[str]:
+    """The import-leak probe's growth with the files before B, per cell; nothing where no cell ran it."""
     leaks = {key: cell["leak_growth"] for key, cell in summary.items() if "leak_growth" in cell}
-    if leaks:
-        settings = [k for k in next(iter(leaks.values())) if k.startswith("k=")]
-        lines += [
-            "",
-            "## Import leak",
-            "",
-            "Pairs (A, B) of validation files where A imports a module m that B never mentions "
-            "(studies/import_leak.py). Δ log P(`import m` or `from m import`) at B's first import with k files "
-            "importing m before B (each cut after that import, or with `extra` more of its tokens), minus B alone; "
-            "and the share of import lines sampled there that name a module of the file before, with it before "
-            "and alone. Mean ± sd over seeds.",
-            "",
-        ]
-        leak_rows = [
-            [key, *("" if growth[k] is None else ms(growth[k]) for k in settings)]
-            + [f"{growth['sampled_after'][0]:.1%}", f"{growth['sampled_alone'][0]:.1%}"]
-            for key, growth in leaks.items()
-        ]
-        header = ["cell", *(k.replace(",", ", ") for k in settings), "sampled: before", "alone"]
-        lines += markdown_table(header, leak_rows)
-    return "\n".join(lines) + "\n"
+    if not leaks:
+        return []
+    settings = [k for k in next(iter(leaks.values())) if k.startswith("k=")]
+    lines = [
+        "",
+        "## Import leak",
+        "",
+        "Pairs (A, B) of validation files where A imports a module m that B never mentions "
+        "(studies/import_leak.py). Δ log P(`import m` or `from m import`) at B's first import with k files "
+        "importing m before B (each cut after that import, or with `extra` more of its tokens), minus B alone; "
+        "and the share of import lines sampled there that name a module of the file before, with it before "
+        "and alone. Mean ± sd over seeds.",
+        "",
+    ]
+    leak_rows = [
+        [key, *("" if growth[k] is None else mean_sd(growth[k]) for k in settings)]
+        + [f"{growth['sampled_after'][0]:.1%}", f"{growth['sampled_alone'][0]:.1%}"]
+        for key, growth in leaks.items()
+    ]
+    header = ["cell", *(k.replace(",", ", ") for k in settings), "sampled: before", "alone"]
+    return lines + markdown_table(header, leak_rows)
 
 
 def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path) -> None:
@@ -389,9 +435,25 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
             ax.grid(alpha=0.3)
         return fig, axes[0]
 
-    # effects.png: every primary effect with its 95% interval
     fig, axes = panels()
-    for ax, pos in zip(axes, kinds):
+    draw_effects(axes, runs, summary, study)
+    save_figure(fig, out / "effects.png")
+    fig, axes = panels()
+    draw_loss_by_position(axes, runs, study)
+    save_figure(fig, out / "loss_by_position.png")
+    fig, axes = panels()
+    draw_offset_probe(axes, runs, offsets)
+    save_figure(fig, out / "offset_probe.png")
+    if all("import_leak" in r for pos in runs for cell in runs[pos].values() for r in cell.values()):
+        fig, axes = panels()
+        draw_import_leak(axes, runs)
+        save_figure(fig, out / "import_leak.png")
+    plt.close("all")
+
+
+def draw_effects(axes, runs: dict, summary: dict, study: Study) -> None:
+    """effects.png: every primary effect with its 95% interval, a panel per position kind."""
+    for ax, pos in zip(axes, runs):
         rows = [
             (f"{variant}: {ENDPOINT_NAMES[name]}", entry)
             for variant in runs[pos]
@@ -413,11 +475,11 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
         ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
         ax.axvline(0, color="black", lw=0.8)
         ax.set_xlabel("effect vs baseline (nats), 95% CI")
-    save_figure(fig, out / "effects.png")
 
-    # loss_by_position.png: difference to the reference by position within the document
-    fig, axes = panels()
-    for ax, pos in zip(axes, kinds):
+
+def draw_loss_by_position(axes, runs: dict, study: Study) -> None:
+    """loss_by_position.png: each variant's difference to its baseline by position within the document."""
+    for ax, pos in zip(axes, runs):
         n = min(len(r["val_doc_count_by_position"]) for cell in runs[pos].values() for r in cell.values())
         edges = np.unique(np.r_[0, np.geomspace(1, n, 14).astype(int)])
         centers = [(a + b - 1) / 2 for a, b in zip(edges[:-1], edges[1:])]
@@ -436,11 +498,11 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
         ax.set_xlabel("position within the document (early band shaded)")
     axes[0].set_ylabel("loss minus its baseline's (same seed)")
     axes[0].legend(fontsize=8)
-    save_figure(fig, out / "loss_by_position.png")
 
-    # offset_probe.png: the probe documents' loss by what precedes them
-    fig, axes = panels()
-    for ax, pos in zip(axes, kinds):
+
+def draw_offset_probe(axes, runs: dict, offsets: list[int]) -> None:
+    """offset_probe.png: the probe documents' loss by what precedes them."""
+    for ax, pos in zip(axes, runs):
         for variant, cell in runs[pos].items():
             losses = np.array([[r["offset_loss"][str(k)] for k in offsets] for r in cell.values()])
             ax.errorbar(offsets, losses.mean(0), yerr=losses.std(0), marker="o", capsize=3, label=variant)
@@ -448,24 +510,22 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
         ax.set_xlabel("tokens of other documents before the document (1: the EOT alone)")
     axes[0].set_ylabel("loss on the document")
     axes[0].legend(fontsize=8)
-    save_figure(fig, out / "offset_probe.png")
 
-    if all("import_leak" in r for pos in runs for cell in runs[pos].values() for r in cell.values()):
-        fig, axes = panels()
-        for ax, pos in zip(axes, kinds):
-            for variant, cell in runs[pos].items():
-                logprob = [r["import_leak"]["logprob"] for r in cell.values()]
-                for extra, style in zip(import_leak.EXTRA_TOKENS, ("-", "--")):
-                    ks = [k for k in import_leak.PRECEDING_FILES if logprob[0][f"k={k},extra={extra}"]["pairs"]]
-                    deltas = np.array([[lp[f"k={k},extra={extra}"]["delta_logprob"] for k in ks] for lp in logprob])
-                    label = f"{variant}, {extra} tokens after the import"
-                    ax.errorbar(ks, deltas.mean(0), yerr=deltas.std(0), ls=style, marker="o", capsize=3, label=label)
-            ax.set_xticks(import_leak.PRECEDING_FILES)
-            ax.set_xlabel("files before B that import m")
-        axes[0].set_ylabel("Δ log P(import m) vs B alone (nats)")
-        axes[0].legend(fontsize=8)
-        save_figure(fig, out / "import_leak.png")
-    plt.close("all")
+
+def draw_import_leak(axes, runs: dict) -> None:
+    """import_leak.png: Δ log P(import m) by the number of files before B that import m."""
+    for ax, pos in zip(axes, runs):
+        for variant, cell in runs[pos].items():
+            logprob = [r["import_leak"]["logprob"] for r in cell.values()]
+            for extra, style in zip(import_leak.EXTRA_TOKENS, ("-", "--")):
+                ks = [k for k in import_leak.PRECEDING_FILES if logprob[0][f"k={k},extra={extra}"]["pairs"]]
+                deltas = np.array([[lp[f"k={k},extra={extra}"]["delta_logprob"] for k in ks] for lp in logprob])
+                label = f"{variant}, {extra} tokens after the import"
+                ax.errorbar(ks, deltas.mean(0), yerr=deltas.std(0), ls=style, marker="o", capsize=3, label=label)
+        ax.set_xticks(import_leak.PRECEDING_FILES)
+        ax.set_xlabel("files before B that import m")
+    axes[0].set_ylabel("Δ log P(import m) vs B alone (nats)")
+    axes[0].legend(fontsize=8)
 
 
 def write_report(

@@ -379,6 +379,26 @@ def test_a_run_folder_of_other_settings_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_path):
+    config = write_tiny_study_config(tiny_corpus, tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "studies.ablate", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    study = tmp_path / "study"
+    report = json.loads((study / "results.json").read_text())
+    assert_tiny_study_decided(report["summary"])
+    assert_the_mask_keeps_out_what_precedes_a_document(report)
+    runs = report["runs"]
+    assert runs["rope"]["pad"]["0"]["steps"] >= runs["rope"]["reference"]["0"]["steps"]
+    assert runs["rope"]["pad_equal_compute"]["0"]["steps"] == runs["rope"]["reference"]["0"]["steps"]
+    assert report["regime"]["documents_per_row"] > 1
+    markdown = assert_report_and_figures_written(study, result.stdout)
+    assert_report_rebuilt_from_results(study, markdown)
+    assert_finished_runs_skipped_and_other_settings_refused(config)
+
+
+def write_tiny_study_config(tiny_corpus, tmp_path: Path) -> Path:
+    """Every position kind and variant: 2 seeds (3 for no_mask_boundary_loss and its baseline), 2 steps a run."""
     config = tmp_path / "tiny.toml"
     config.write_text(
         f'dataset = "{tiny_corpus}"\ndata_dir = "{tmp_path / "data"}"\ntokenizer_vocab_size = 320\nseq_len = 64\n'
@@ -386,18 +406,20 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
         f'log_interval = 1\nwarmup_iters = 1\n[ablate]\nseeds = 2\nout_dir = "{tmp_path / "study"}"\n'
         "probe_docs = 8\nprobe_offsets = [16]\nseeds_by_variant = { no_mask_boundary_loss = 3 }\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "studies.ablate", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=900
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    study = tmp_path / "study"
-    report = json.loads((study / "results.json").read_text())
-    summary, runs = report["summary"], report["runs"]
+    return config
+
+
+def assert_tiny_study_decided(summary: dict) -> None:
+    """Every cell summarised over its own seeds, the primary family decided by Holm, an invariance checked."""
     assert sorted(summary) == sorted(f"{p}/{v}" for p in plan.POSITION_KINDS for v in plan.Study().variants)
     assert summary["learned/reference"]["seeds"] == [0, 1, 2] and summary["learned/naive"]["seeds"] == [0, 1]
     assert summary["rope/no_reset_position_ids"]["seeds"] == [0, 1]
     assert_holm_decided(summary, expected_family=11)  # rope/no_reset_position_ids is checked, not tested
     assert summary["rope/no_reset_position_ids"]["endpoints"]["early"]["role"] == "invariant"
+
+
+def assert_the_mask_keeps_out_what_precedes_a_document(report: dict) -> None:
+    summary, runs = report["summary"], report["runs"]
     # with the document mask and position reset, what precedes a document changes nothing...
     for pos in plan.POSITION_KINDS:
         contamination = summary[f"{pos}/reference"]["endpoints"]["contamination"]
@@ -412,15 +434,20 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
     # ...while naive packing lets it in
     naive = runs["learned"]["naive"]["0"]
     assert abs(naive["offset_loss"]["32"] - naive["offset_loss"]["1"]) > 1e-4
-    assert runs["rope"]["pad"]["0"]["steps"] >= runs["rope"]["reference"]["0"]["steps"]
-    assert runs["rope"]["pad_equal_compute"]["0"]["steps"] == runs["rope"]["reference"]["0"]["steps"]
-    assert report["regime"]["documents_per_row"] > 1
+
+
+def assert_report_and_figures_written(study: Path, stdout: str) -> str:
+    """results.md, also printed, and the three figures; returns results.md."""
     markdown = (study / "results.md").read_text()
     assert "## Pre-registered endpoints and decision rules" in markdown and "hardware:" in markdown
-    assert markdown.count("\n| learned | ") == 6 and markdown.count("\n| rope | ") == 6 and markdown in result.stdout
+    assert markdown.count("\n| learned | ") == 6 and markdown.count("\n| rope | ") == 6 and markdown in stdout
     for figure in ("effects.png", "loss_by_position.png", "offset_probe.png"):
         assert (study / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # the report is rebuilt from results.json alone, the verdicts computed again from the saved runs
+    return markdown
+
+
+def assert_report_rebuilt_from_results(study: Path, markdown: str) -> None:
+    """The report is rebuilt from results.json alone, the verdicts computed again from the saved runs."""
     (study / "results.md").unlink()
     rebuilt = subprocess.run(
         [sys.executable, "-m", "studies.report", str(study / "results.json")], cwd=ROOT, capture_output=True, text=True
@@ -428,6 +455,9 @@ def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_p
     assert rebuilt.returncode == 0, rebuilt.stderr[-2000:]
     stamp = re.compile(r" and rebuilt from its runs at commit [^\n]*")  # the one line a rebuild adds
     assert stamp.search(text := (study / "results.md").read_text()) and stamp.sub("", text) == markdown
+
+
+def assert_finished_runs_skipped_and_other_settings_refused(config: Path) -> None:
     again = subprocess.run(
         [sys.executable, "-m", "studies.ablate", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
