@@ -7,15 +7,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import config
 import train
 from config import Config, eval_token_budget, warmup_steps
 from data import Batch, Flags, make_batch
 from model import GPT, GPTConfig
 
-__all__ = ["Batch", "batch_of_rows", "check_fits", "losses", "parameter_count", "precision", "resolved", "run"]
-
-check_fits = config.check_fits  # whether a model and micro-batch fit the device: refuses in one line if not
+__all__ = ["batch_of_rows", "losses", "parameter_count", "precision", "resolved", "run"]
 
 
 def run(cfg: Config) -> dict:

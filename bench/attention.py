@@ -55,7 +55,7 @@ import api
 import corpora
 import data
 from cli import run_main, script_settings
-from config import setting
+from config import check_fits, setting
 from data import Batch
 from errors import ConfigError, SaveFailed
 from model import (
@@ -399,7 +399,7 @@ def main(argv: list[str]) -> int:
     base = GPTConfig(vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     try:
         for seq_len in seq_lens:
-            api.check_fits(dataclasses.replace(base, seq_len=seq_len), max(1, args.tokens // seq_len), device)
+            check_fits(dataclasses.replace(base, seq_len=seq_len), max(1, args.tokens // seq_len), device)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -83,7 +83,7 @@ def planning(lengths: np.ndarray, n_documents: int, seq_len: int, work: Path) ->
             tokens[np.cumsum(chunk) - 1] = eot
             tokens.tofile(f)
     n_tokens = int(drawn.sum())
-    code = f"from studies import bench_packing; bench_packing.plan_child({str(path)!r}, {n_tokens}, {seq_len}, {eot})"
+    code = f"from bench import packing; packing.plan_child({str(path)!r}, {n_tokens}, {seq_len}, {eot})"
     result = measure([sys.executable, "-c", code])
     path.unlink()
     return {"tokens": n_tokens, "seq_len": seq_len, **json.loads(result["output"]), "wall_seconds": result["seconds"]}

@@ -223,7 +223,7 @@ def measure_raw_tiktoken(corpus: Path, tokenizer: str) -> dict:
         [
             sys.executable,
             "-c",
-            f"from studies import bench_data; bench_data.raw_tiktoken({str(corpus)!r}, {tokenizer!r})",
+            f"from bench import preparation; preparation.raw_tiktoken({str(corpus)!r}, {tokenizer!r})",
         ]
     )
     return {**json.loads(raw["output"]), "peak_rss_gb": raw["peak_rss_gb"]}
