@@ -251,7 +251,7 @@ def test_stdout_on_a_full_device_is_one_error_line_from_every_entry_point(monkey
     """Each script's main, under the one wrapper, with its output failing as print does on a full disk."""
     import importlib
 
-    import config
+    import cli
 
     def full(*args, **kwargs):
         if kwargs.get("file") is None:
@@ -263,7 +263,7 @@ def test_stdout_on_a_full_device_is_one_error_line_from_every_entry_point(monkey
         module = importlib.import_module(name)
         monkeypatch.setattr("builtins.print", full)
         monkeypatch.setattr(sys, "argv", [name, "--help"])
-        monkeypatch.setattr(config, "_silence_stdout", lambda: None)  # pytest owns the real stdout
+        monkeypatch.setattr(cli, "_silence_stdout", lambda: None)  # pytest owns the real stdout
         with pytest.raises(SystemExit) as ended:
             run_main(module.main)
         monkeypatch.setattr("builtins.print", real_print)

@@ -98,8 +98,8 @@ def test_resume_with_a_different_model_setting_is_refused(tiny_corpus, tmp_path)
         ("--bos=true", "bos: False -> True"),
         ("--packing=bestfit", "packing: 'concat' -> 'bestfit'"),
     ):
-        with pytest.raises(ConfigError, match=named):
-            parse_config([f"--out_dir={out}", "--resume=true", changed])
+        with pytest.raises(ConfigError, match=named):  # checked once, against the checkpoint, before any work
+            train.train(parse_config([f"--out_dir={out}", "--resume=true", changed]))
 
 
 @pytest.mark.slow
@@ -125,7 +125,7 @@ def test_resuming_by_name_keeps_the_saved_settings_and_names_what_may_not_change
     assert parse_config([f"--out_dir={out}", "--resume=true", "--max_iters=20"]).max_iters == 20  # may change
     for change, name in (("--lr=0.5", "lr"), ("--seq_len=32", "seq_len"), ("--doc_mask=false", "doc_mask")):
         with pytest.raises(ConfigError, match=f"cannot resume {out} with other settings \\({name}: "):
-            parse_config([f"--out_dir={out}", "--resume=true", change])
+            train.train(parse_config([f"--out_dir={out}", "--resume=true", change]))
         tried("rerun with a changed setting")
     with (out / "metrics.jsonl").open("a") as log:  # a kill while the next line was being written
         log.write('{"step": 7, "train_lo')
