@@ -1,10 +1,20 @@
+import dataclasses
 import json
 import random
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
+import train
+from cli import parse_config
+from config import Config
 from data import IGNORE_INDEX
+from run import checkpoint as checkpoints
 from run.checkpoint import save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,3 +92,146 @@ def rewrite_checkpoint(path: Path, change, to: Path | None = None) -> None:
     state.pop("content_sha256", None)
     change(state)
     save_checkpoint(to or path, state)
+
+
+def pytest_collection_modifyitems(items):
+    """The tests that report the cases tried run last, after every test that counts them."""
+    items.sort(key=lambda item: item.name == "test_report_the_cases_tried")
+
+
+# ---- fault cases tried, counted across files (python -m pytest -s prints them at the end)
+
+FAULT_CASES: dict[str, int] = {}
+
+
+def tried(kind: str, n: int = 1) -> None:
+    FAULT_CASES[kind] = FAULT_CASES.get(kind, 0) + n
+
+
+# ---- helpers of the tests that run the scripts and check what they leave
+
+
+def jsonl_bytes(docs: list[str]) -> bytes:
+    return "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+
+
+def python(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def one_line(result: subprocess.CompletedProcess, prefix: str = "error:") -> str:
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(prefix) and result.returncode != 0, result.stderr[-2000:]
+    return lines[0]
+
+
+def complete_folders(data_dir: Path) -> list[Path]:
+    return [p for p in data_dir.iterdir() if (p / "meta.json").exists()] if data_dir.exists() else []
+
+
+def run_cli(*args: str, cwd=ROOT, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300, **kw)
+
+
+def in_process(main, argv: list[str], capsys) -> subprocess.CompletedProcess:
+    """A script's main called here, as run_cli would run it (the same exit code and stderr), without the
+    seconds of starting Python and importing torch."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    return subprocess.CompletedProcess(argv, code, "", capsys.readouterr().err)
+
+
+def one_error_line(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error:") and sum(line.startswith("error:") for line in lines) == 1, result.stderr
+    assert all(f in lines[-1] for f in fragments), (fragments, lines[-1])
+
+
+# ---- finished and stopped runs the tests start from
+
+
+def records(out_dir):
+    """metrics.jsonl without the wall-clock rates, which differ between runs."""
+    lines = (out_dir / "metrics.jsonl").read_text().split("\n")[:-1]  # a last line with no newline is being written
+    return [{k: v for k, v in json.loads(line).items() if "per_sec" not in k} for line in lines]
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_for_step(out_dir, step: int, proc: subprocess.Popen) -> None:
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        done = [r["step"] for r in records(out_dir)] if (out_dir / "metrics.jsonl").exists() else []
+        if done and done[-1] >= step and (out_dir / "ckpt.pt").exists():
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"run ended or stalled before step {step}")
+
+
+@pytest.fixture(scope="module")
+def long_args(tiny_corpus, tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("data")
+    reference = tmp_path_factory.mktemp("reference")
+
+    def args(out_dir):  # 40 steps, a checkpoint every 3, dropout so that the RNG state matters
+        return tiny_args(tiny_corpus, data_dir, out_dir, max_iters=40, eval_interval=3, dropout=0.1, eval_tokens=256)
+
+    train.train(parse_config(args(reference)))
+    return args, records(reference)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_corpus, tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("data")
+
+    def args(out_dir, **overrides):
+        return tiny_args(tiny_corpus, data_dir, out_dir, **{"max_iters": 12, "eval_interval": 3, **overrides})
+
+    reference = tmp_path_factory.mktemp("reference")
+    train.train(parse_config(args(reference)))
+    return args, records(reference)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_corpus, tmp_path_factory) -> tuple[Path, list[str]]:
+    """A finished run of 4 steps with checkpoints at 2 and 4, and the arguments that made it."""
+    tmp = tmp_path_factory.mktemp("trained")
+    args = tiny_args(tiny_corpus, tmp / "data", tmp / "run", max_iters=4, eval_interval=2)
+    train.train(parse_config(args))
+    return tmp / "run", args
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def hand_built_checkpoint(cfg: Config) -> dict:
+    """What Checkpointer.save writes, without training: one weight large enough to be the file's largest
+    member (the one flip_byte_in_weights changes), the settings of `cfg`, one process's RNG, and shards
+    that do not exist (a resumed run that got past the checks would stop there, in one line)."""
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "model": {"weight": torch.randn(64, 64, generator=generator)},
+        "optimizer": {"state": {}, "param_groups": []},
+        "config": dataclasses.asdict(cfg),
+        "model_config": {},
+        "step": 2,
+        "data": {"epoch": 0, "cursor": 0},
+        "rng": [checkpoints.rng_states()],
+        "tokenizer_sha256": "0" * 64,
+        "run_id": "hand-built",
+        "shards": "/nonexistent/shards",
+    }

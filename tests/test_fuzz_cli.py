@@ -15,7 +15,6 @@ import dataclasses
 import io
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,6 @@ from hypothesis import strategies as st
 import sample
 import train
 from bench import attention as bench
-from cli import run_main
 from config import Config
 from studies import ablate
 
@@ -215,35 +213,3 @@ def test_report_the_cases_tried():
     """Prints how many distinct argument lists each CLI was run with (run it last: pytest -s)."""
     print("fuzz cases tried: " + ", ".join(f"{cli} {len(cases)}" for cli, cases in sorted(TRIED.items())))
     assert TRIED
-
-
-def test_stdout_on_a_full_device_is_one_error_line_from_every_entry_point(monkeypatch, capsys):
-    """Each script's main, under the one wrapper, with its output failing as print does on a full disk."""
-    import importlib
-
-    import config
-
-    def full(*args, **kwargs):
-        if kwargs.get("file") is None:
-            raise OSError(28, "No space left on device")
-        return real_print(*args, **kwargs)
-
-    real_print = print
-    for name in ENTRY_POINTS:
-        module = importlib.import_module(name)
-        monkeypatch.setattr("builtins.print", full)
-        monkeypatch.setattr(sys, "argv", [name, "--help"])
-        monkeypatch.setattr(config, "_silence_stdout", lambda: None)  # pytest owns the real stdout
-        with pytest.raises(SystemExit) as ended:
-            run_main(module.main)
-        monkeypatch.setattr("builtins.print", real_print)
-        assert ended.value.code == 1, name
-        err = capsys.readouterr().err
-        assert err.strip() == "error: cannot write the output (No space left on device); what was saved before is kept"
-
-
-ENTRY_POINTS = (
-    *("train", "sample", "prepare", "export_hf"),
-    *("studies.ablate", "bench.attention", "bench.preparation", "bench.packing"),
-    *("studies.import_leak", "studies.ladder", "studies.report"),
-)

@@ -1,7 +1,11 @@
-"""train.py end to end on a tiny corpus: configuration errors, a short run that learns, exact resume,
-each flag and variant running, checkpoints, sampling and wandb offline logging."""
+"""The training recipe (train.py) on a tiny corpus: the flags, the learning-rate schedule and its warmup,
+evaluation (its packing, flags, sums by document and position, budget and progress), a short run that
+learns, each flag and variant running, the smallest shapes, sampling and wandb offline logging. The run's
+guarantees are tested by what they pin: test_run_folder, test_checkpoint, test_resume, test_processes,
+test_cli and test_prepared_data."""
 
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -11,13 +15,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, rewrite_checkpoint, tiny_args
+from conftest import ROOT, metrics, tiny_args, tried
 
+import export_hf
+import sample
 import train
 from cli import parse_config
 from config import Config
 from data import Flags
-from errors import ConfigError
+from model import GPT, GPTConfig
 
 
 def run_cli(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -26,27 +32,7 @@ def run_cli(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess
     )
 
 
-def metrics(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-# ---- configuration
-
-
-def test_quickstart_config_is_the_default():
-    assert parse_config([str(ROOT / "configs/quickstart.toml")]) == Config()
-
-
-@pytest.mark.parametrize("name", ["gpt2_small_gpu.toml", "ablate_base.toml"])
-def test_shipped_configs_parse(name):
-    parse_config([str(ROOT / "configs" / name)])
-
-
-def test_cli_overrides_file_and_types_are_parsed(tmp_path):
-    toml = tmp_path / "c.toml"
-    toml.write_text('pos_emb = "rope"\nmax_iters = 5\n')
-    cfg = parse_config([str(toml), "--max_iters=7", "--doc_mask=false", "--lr=1e-3"])
-    assert (cfg.pos_emb, cfg.max_iters, cfg.doc_mask, cfg.lr) == ("rope", 7, False, 1e-3)
+# ---- the flags, the learning-rate schedule and evaluation
 
 
 @pytest.mark.parametrize("flag", ["doc_mask", "reset_position_ids", "mask_boundary_loss"])
@@ -55,50 +41,6 @@ def test_each_flag_reaches_its_own_field_of_flags(flag):
     assert parse_config([f"--{flag}=false"]).flags == Flags(**{flag: False})
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(Flags(), flag, False)
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--doc_mask_off=true"], "unknown config key 'doc_mask_off' (did you mean doc_mask?)"),
-        (["--max_iters=ten"], "max_iters='ten': expected int"),
-        (["--doc_mask=maybe"], "doc_mask='maybe': expected bool"),
-        (["--pos_emb=alibi"], "pos_emb='alibi': choose one of learned, rope"),
-        (["--packing=best"], "packing='best': choose one of concat, bestfit, pad"),
-        (["--batch_size=0"], "batch_size=0: must be at least 1"),
-        (["--n_embd=100", "--n_head=3"], "must split into n_head=3 heads"),
-        (["no_such_config.toml"], "config file no_such_config.toml not found"),
-        (["max_iters=3"], "config file max_iters=3 not found"),
-    ],
-)
-def test_bad_settings_are_one_clear_error(args, message):
-    with pytest.raises(ConfigError) as error:
-        parse_config(args)
-    assert message in str(error.value)
-
-
-def test_toml_that_does_not_parse(tmp_path):
-    bad = tmp_path / "bad.toml"
-    bad.write_text("max_iters = = 3\n")
-    with pytest.raises(ConfigError, match="does not parse"):
-        parse_config([str(bad)])
-
-
-@pytest.mark.slow
-def test_cli_error_is_one_line_without_traceback(tmp_path):
-    result = run_cli("train.py", "--pos_emb=alibi")
-    assert result.returncode == 1
-    assert result.stderr.strip() == "error: pos_emb='alibi': choose one of learned, rope"
-    missing = run_cli("train.py", f"--dataset={tmp_path / 'none'}", f"--out_dir={tmp_path / 'o'}")
-    assert missing.returncode == 1 and "Traceback" not in missing.stderr
-    assert missing.stderr.startswith("error: dataset") and missing.stderr.count("\n") == 1
-
-
-@pytest.mark.slow
-def test_help_lists_every_key():
-    result = run_cli("train.py", "--help")
-    assert result.returncode == 0
-    assert all(f"--{f.name}=" in result.stdout for f in dataclasses.fields(Config))
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr():
@@ -270,6 +212,32 @@ def test_a_run_with_the_start_marker_evaluates_each_document_from_its_bos(tmp_pa
     assert len(result["val_doc_first_token_loss_by_document"]) == len(ends)
 
 
+def test_evaluation_suits_the_run_and_shows_progress(monkeypatch, capsys):
+    from config import Config
+
+    assert train.eval_token_budget(Config()) == 8 * 256 * 300 // 4  # the quickstart: a quarter between evals
+    assert train.eval_token_budget(Config(max_iters=10)) == 32_768  # a tiny run: the floor
+    assert train.eval_token_budget(Config(batch_size=64, seq_len=1024, eval_interval=1000)) == 1_000_000
+    assert train.eval_token_budget(Config(eval_tokens=0)) == 0 and train.eval_token_budget(Config(eval_tokens=5)) == 5
+    # every row of every micro-batch and process counts: 2 x 2 x 8 x 256 tokens a step, 300 steps, a quarter
+    assert train.eval_token_budget(Config(grad_accum=2), world_size=2) == 614_400
+    clock = itertools.count(0, 4)  # every call 4 "seconds" later
+    monkeypatch.setattr(train.time, "time", lambda: next(clock))
+    progress = train.evaluation_progress(10, print)
+    for _ in range(10):
+        progress.advance(1)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and all(line.startswith("eval: ") and "/10 batches, ETA" in line for line in lines)
+
+
+def test_a_run_that_ends_before_its_warmup_does_says_so(tiny_corpus, tmp_path, capsys):
+    args = dict(max_iters=2, eval_interval=2)
+    train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "o", warmup_iters=2, **args)))
+    assert capsys.readouterr().err.count("warning: max_iters=2 is not past warmup_iters=2") == 1  # once a run
+    train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "p", warmup_iters=1, **args)))
+    assert "warmup_iters" not in capsys.readouterr().err
+
+
 # ---- training runs
 
 
@@ -302,46 +270,6 @@ def test_short_run_learns_writes_metrics_and_checkpoint(tiny_corpus, tmp_path):
     assert records[0]["step"] == 0 and packing["padding_share"] == 0 and packing["documents_per_row"] > 1
     state = torch.load(out / "ckpt.pt", weights_only=False)
     assert state["step"] == 40 and state["config"]["lr"] == 1e-2
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("packing, bos", [("concat", False), ("bestfit", True)])
-def test_resume_continues_exactly_where_the_run_stopped(tiny_corpus, tmp_path, packing, bos):
-    # A constant learning rate (lr = min_lr) makes the schedule independent of max_iters, so stopping at
-    # step 4 and resuming to 8 must match 8 straight steps bit for bit; dropout exercises the RNG state.
-    def args(out, max_iters):
-        return tiny_args(
-            tiny_corpus, tmp_path / "data", out, max_iters=max_iters, eval_interval=4, dropout=0.1, lr=2e-3, min_lr=2e-3
-        ) + [f"--packing={packing}", f"--bos={bos}"]
-
-    def without_rates(records):
-        return [{k: v for k, v in r.items() if "per_sec" not in k} for r in records]
-
-    train.train(parse_config(args(tmp_path / "straight", 8)))
-    train.train(parse_config(args(tmp_path / "resumed", 4)))
-    train.train(parse_config(args(tmp_path / "resumed", 8) + ["--resume=true"]))
-    straight, resumed = without_rates(metrics(tmp_path / "straight")), without_rates(metrics(tmp_path / "resumed"))
-    assert len(straight) == 11 and resumed == straight  # packing statistics, 8 steps and 2 evaluations
-    # the test can fail: without restoring the data position, step 5 trains on other rows
-    fresh = tmp_path / "fresh"
-    train.train(parse_config(args(fresh, 4)))
-    rewrite_checkpoint(fresh / "ckpt.pt", lambda state: state["data"].update(cursor=0))
-    train.train(parse_config(args(fresh, 8) + ["--resume=true"]))
-    assert without_rates(metrics(fresh)) != straight
-
-
-@pytest.mark.slow
-def test_resume_with_a_different_model_setting_is_refused(tiny_corpus, tmp_path):
-    out = tmp_path / "run"
-    train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)))
-    with pytest.raises(ConfigError, match=r"n_embd: 32 -> 64"):
-        train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, n_embd=64) + ["--resume=true"]))
-    for changed, named in (
-        ("--bos=true", "bos: False -> True"),
-        ("--packing=bestfit", "packing: 'concat' -> 'bestfit'"),
-    ):
-        with pytest.raises(ConfigError, match=named):
-            parse_config([f"--out_dir={out}", "--resume=true", changed])
 
 
 VARIANTS = [
@@ -436,3 +364,43 @@ def test_a_run_loads_its_prepared_folder_once_also_when_resuming(tiny_corpus, tm
     assert loaded == [folder]
     train.train(parse_config([f"--out_dir={tmp_path / 'run'}", "--resume=true", "--max_iters=4"]))
     assert loaded == [folder, folder]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [[], ["--bos=true", "--packing=bestfit"], ["--packing=pad", "--pos_emb=rope"]])
+def test_the_shortest_rows_train_evaluate_sample_and_export(tiny_corpus, tmp_path, extra):
+    args = tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", seq_len=2, n_embd=2, n_head=1, batch_size=1)
+    train.train(parse_config(args + ["--max_iters=2", "--eval_interval=1", "--eval_tokens=64", *extra]))
+    assert sample.main([f"--out_dir={tmp_path / 'run'}", "--max_new_tokens=3"]) == 0
+    export_hf.export(tmp_path / "run", tmp_path / "hf")
+
+
+@pytest.mark.slow
+def test_flags_with_pad_packing_warn(tiny_corpus, tmp_path, capsys):
+    train.train(
+        parse_config(
+            tiny_args(
+                tiny_corpus,
+                tmp_path / "data",
+                tmp_path / "o",
+                packing="pad",
+                doc_mask="false",
+                max_iters=1,
+                eval_interval=1,
+            )
+        )
+    )
+    assert "with packing=pad each row holds one document, so the three flags change nothing" in capsys.readouterr().err
+
+
+def test_sampling_at_extreme_temperatures_gives_tokens():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=32, n_layer=1, n_head=2, n_embd=16)).eval()
+    prompt = torch.tensor([[1, 2, 3]])
+    greedy = model.generate(prompt, 10, temperature=0)
+    for temperature in (1e-300, 1e-45, 1e-8, 1e8, 1e300):
+        out = model.generate(prompt, 10, temperature=temperature, top_k=None)
+        assert out.shape == (1, 13) and int(out.max()) < 64
+        if temperature < 1e-6:
+            assert torch.equal(out, greedy)
+        tried("extreme temperature")

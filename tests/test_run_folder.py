@@ -1,0 +1,307 @@
+"""The run folder (run/folder.py): one run at a time in a folder, under its lock, and a refusal that names
+the process holding it; results written atomically, never in place of a device, a FIFO or a folder, and
+never over a finished run unless asked; an old run replaced only once the new one has its first
+checkpoint; a moved run that resumes where it is; and metrics.jsonl or the lock damaged, named in one
+line."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    copy_of,
+    one_error_line,
+    records,
+    run_cli,
+    start,
+    tiny_args,
+    tried,
+    wait_for_step,
+)
+
+import train
+from cli import parse_config
+from errors import ConfigError, DataError, SaveFailed
+from run import checkpoint as checkpoints
+from run.checkpoint import read_checkpoint
+from run.folder import RUN_FILES, MetricsFile, RunFiles, exclusive_lock, hold, lock_holder, write_atomically
+from studies import report
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and p.name != ".lock"}
+
+
+# ---- the lock and its holder
+
+
+@pytest.mark.slow
+def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(long_args, tmp_path):
+    args, _ = long_args
+    out = tmp_path / "run"
+    first = start(args(out) + ["--max_iters=100000"])  # runs until killed
+    wait_for_step(out, 3, first)
+    second = run_cli("train.py", *args(out), "--overwrite=true")
+    one_error_line(second, "is in use by another run", f"process {first.pid}")
+    assert first.poll() is None
+    first.kill()  # the OS drops the lock with the process: resuming works at once
+    first.wait()
+    step = torch.load(out / "ckpt.pt", weights_only=False)["step"]
+    resumed = run_cli("train.py", *args(out), f"--max_iters={step + 2}", "--resume=true")
+    assert resumed.returncode == 0, resumed.stderr
+    assert records(out)[-1]["step"] == step + 2
+
+
+@pytest.mark.slow
+def test_a_busy_folder_names_the_process_that_holds_its_lock(tmp_path):
+    (tmp_path / ".lock").write_text("1")  # a pid left by an earlier holder
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import fcntl, os, time; fd = os.open({str(tmp_path / '.lock')!r}, os.O_RDWR); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=rf"in use by another run \(process {holder.pid}\)"):
+            with hold(tmp_path, resume=False, overwrite=False):
+                pass
+    finally:
+        holder.kill()
+
+
+@pytest.mark.slow
+def test_a_lock_refusal_names_the_process_that_wrote_its_pid_not_a_child_listed_in_proc_locks(tmp_path, monkeypatch):
+    import os
+
+    lock = tmp_path / ".lock"
+    with exclusive_lock(lock):
+        fd = os.open(lock, os.O_RDONLY)
+        real_read_text = Path.read_text
+
+        def proc_locks_naming_a_child(path, *args, **kwargs):  # what /proc/locks shows after a fork
+            if str(path) == "/proc/locks":
+                stat = os.fstat(fd)
+                device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+                return f"1: FLOCK  ADVISORY  WRITE 999999 {device} 0 EOF\n"
+            return real_read_text(path, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "read_text", proc_locks_naming_a_child)
+        assert lock_holder(fd) == str(os.getpid())
+        os.pwrite(fd_rw := os.open(lock, os.O_RDWR), b"999998", 0)  # a holder that is gone: /proc/locks decides
+        assert lock_holder(fd) == "999999"
+        os.close(fd_rw)
+        os.close(fd)
+
+
+# ---- results written whole, never in place of what is not a regular file
+
+
+@pytest.mark.slow
+def test_a_result_file_never_replaces_a_device_a_fifo_or_a_folder(tmp_path):
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    (tmp_path / "ckpt.pt.tmp").mkdir()  # a folder where the temporary file goes
+    for path in (fifo, Path("/dev/null"), tmp_path / "ckpt.pt"):
+        with pytest.raises(SaveFailed, match="is not a regular file"):
+            write_atomically(path, "{}")
+    assert fifo.is_fifo() and Path("/dev/null").is_char_device() and (tmp_path / "ckpt.pt.tmp").is_dir()
+    assert not (tmp_path / "ckpt.pt").exists()
+    write_atomically(tmp_path / "result.json", "{}")  # absent, then a regular file: written, replaced
+    write_atomically(tmp_path / "result.json", "[]")
+    assert (tmp_path / "result.json").read_text() == "[]"
+
+
+@pytest.mark.slow
+def test_a_result_that_cannot_be_written_is_one_line(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (tmp_path / "figure.png").mkdir()  # nothing can be written there
+    with pytest.raises(SaveFailed, match="could not write"):
+        report.save_figure(plt.figure(), tmp_path / "figure.png")
+    (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)
+    run_files = RunFiles(tmp_path / "run", "id", fresh=False)
+    with pytest.raises(SaveFailed, match="could not write"):
+        MetricsFile(run_files, resume_step=None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ckpt.pt", "config.json", "metrics.jsonl"])
+def test_a_folder_where_a_run_file_belongs_is_the_same_one_line_in_every_mode(trained, tmp_path, name):
+    run = copy_of(trained[0], tmp_path)
+    (run / name).unlink()
+    (run / name).mkdir()
+    expected = f"{run / name} is not a file, where the run's"
+    for mode in ([], ["--overwrite=true"], ["--resume=true", "--max_iters=6"]):
+        with pytest.raises(ConfigError, match=expected):
+            train.train(parse_config(trained[1] + [f"--out_dir={run}", *mode]))
+    assert (run / name).is_dir()
+
+
+@pytest.mark.slow
+def test_out_dir_not_writable(tiny_corpus, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="out_dir .* is not a writable folder"):
+        train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", blocker / "out")))
+
+
+@pytest.mark.slow
+def test_export_never_replaces_the_run_the_working_folder_or_a_folder_that_is_not_an_export(
+    reference_run, tmp_path, monkeypatch
+):
+    import export_hf
+
+    args, _ = reference_run
+    out = tmp_path / "runs" / "run"
+    train.train(parse_config(args(out, max_iters=1, eval_interval=1)))
+    monkeypatch.chdir(tmp_path)
+    for to in (out, out.parent, tmp_path, Path("/")):
+        with pytest.raises(export_hf.ExportError, match="is the run's folder, the working folder or a folder above"):
+            export_hf.export(out, to, overwrite=True)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(export_hf.ExportError, match="is not an exported model folder"):
+        export_hf.export(out, tmp_path / "notes", overwrite=True)
+    assert (tmp_path / "notes" / "keep.txt").exists() and (out / "ckpt.pt").exists()
+    tried("export target", 5)
+
+
+# ---- a run in the folder: never replaced unless asked, and then only once the new one has a checkpoint
+
+
+@pytest.mark.slow
+def test_a_fresh_run_never_replaces_a_finished_one(tiny_corpus, tmp_path):
+    out = tmp_path / "run"
+    args = tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)
+    train.train(parse_config(args))
+    before = {name: (out / name).read_bytes() for name in ("ckpt.pt", "config.json", "metrics.jsonl")}
+    with pytest.raises(ConfigError, match=r"holds a run .*--resume=true.*another out_dir.*--overwrite=true"):
+        train.train(parse_config(args + ["--n_embd=64"]))
+    assert {name: (out / name).read_bytes() for name in before} == before
+    train.train(parse_config(args + ["--n_embd=64", "--overwrite=true"]))
+    assert torch.load(out / "ckpt.pt", weights_only=False)["config"]["n_embd"] == 64
+
+
+def old_run_in(folder: Path) -> dict[str, bytes]:
+    """A finished run's files written by hand into `folder` (their content is never read here); returns them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in RUN_FILES:
+        (folder / name).write_bytes(f"the old run's {name}".encode())
+    return contents(folder)
+
+
+def test_a_new_run_into_a_folder_holding_a_run_is_refused_unless_asked_to_overwrite(tmp_path):
+    """The fast guard of test_a_fresh_run_never_replaces_a_finished_one (above). Its dataset is
+    missing, so a run that gets past the folder stops at its data at once, with another error."""
+    run = tmp_path / "run"
+    before = old_run_in(run)
+    args = [f"--out_dir={run}", f"--data_dir={tmp_path / 'data'}", f"--dataset={tmp_path / 'missing.jsonl'}"]
+    with pytest.raises(ConfigError, match=r"holds a run \(ckpt.pt\): continue it with --resume=true.*--overwrite=true"):
+        train.train(parse_config(args))
+    assert contents(run) == before
+    with pytest.raises(DataError):  # asked to overwrite: the folder is taken, and the run goes on to its data
+        train.train(parse_config([*args, "--overwrite=true"]))
+    assert contents(run) == before  # nothing is replaced before the new run's first checkpoint
+
+
+def test_a_replacing_run_writes_beside_the_old_one_until_its_first_checkpoint(tmp_path):
+    """The fast guard of the staging folder (test_overwriting_replaces_the_old_run_only_once_the_new_one_has_a_
+    checkpoint): RunFiles as train.fit uses it, without training."""
+    before = old_run_in(tmp_path)
+    new = {name: f"the new run's {name}".encode() for name in RUN_FILES}
+    with RunFiles(tmp_path, "new", fresh=True) as run_files:  # a run that ends before its first checkpoint
+        for name, content in new.items():
+            run_files.path(name).write_bytes(content)
+        assert contents(tmp_path) == before  # the old run stays whole while the new one writes
+    assert contents(tmp_path) == before and not (tmp_path / ".replacing").exists()
+    with RunFiles(tmp_path, "new", fresh=True) as run_files:
+        for name, content in new.items():
+            run_files.path(name).write_bytes(content)
+        run_files.promote()  # what Checkpointer.save does once the first checkpoint is written
+    assert contents(tmp_path) == new and not (tmp_path / ".replacing").exists()
+
+
+@pytest.mark.slow
+def test_overwriting_replaces_the_old_run_only_once_the_new_one_has_a_checkpoint(trained, tmp_path, monkeypatch):
+    run = copy_of(trained[0], tmp_path)
+    before = contents(run)
+    overwrite = trained[1] + [f"--out_dir={run}", "--overwrite=true", "--seed=5"]
+    with pytest.raises(DataError):  # refused after the folder was taken: bad data
+        train.train(parse_config(overwrite + [f"--dataset={tmp_path / 'missing.jsonl'}"]))
+    assert contents(run) == before
+
+    def full_disk(path, state):
+        raise SaveFailed(f"could not save the checkpoint {path} (No space left on device)")
+
+    monkeypatch.setattr(checkpoints, "save_checkpoint", full_disk)
+    with pytest.raises(SaveFailed):  # failed at its first checkpoint
+        train.train(parse_config(overwrite))
+    assert contents(run) == before and not (run / ".replacing").exists()
+    monkeypatch.undo()
+    train.train(parse_config(overwrite))
+    after = contents(run)
+    assert after.keys() == before.keys() and all(after[k] != before[k] for k in after)
+    assert json.loads(after["config.json"])["run_id"] == read_checkpoint(run / "ckpt.pt")["run_id"]
+
+
+@pytest.mark.slow
+def test_a_moved_run_resumes_where_it_is_and_overwrite_keeps_the_old_run_until_it_has_a_checkpoint(
+    reference_run, tmp_path
+):
+    args, _ = reference_run
+    first = tmp_path / "first"
+    train.train(parse_config(args(first, max_iters=3)))
+    moved = tmp_path / "moved"
+    shutil.copytree(first, moved)
+    shutil.rmtree(first)
+    cfg = parse_config([f"--out_dir={moved}", "--resume=true", "--max_iters=6"])
+    assert cfg.out_dir == str(moved)  # not the folder its config.json was written in
+    train.train(cfg)
+    assert not first.exists() and torch.load(moved / "ckpt.pt", weights_only=False)["step"] == 6
+    with hold(moved, resume=False, overwrite=True):
+        run_files = RunFiles(moved, "new", fresh=True)  # a kill now leaves the old run whole
+        assert run_files.path("ckpt.pt") == moved / ".replacing" / "ckpt.pt" and (moved / "ckpt.pt").exists()
+    tried("moved or replaced run folder", 2)
+
+
+# ---- damaged run folders
+
+
+@pytest.mark.slow
+def test_a_folder_that_mixes_two_runs_is_refused(trained, tmp_path):
+    run = copy_of(trained[0], tmp_path)
+    settings = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**settings, "run_id": "another"}))  # a move that never finished
+    with pytest.raises(ConfigError, match=f"{run} mixes two runs: its config.json belongs to another run"):
+        train.train(parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=6"]))
+
+
+@pytest.mark.slow
+def test_damaged_run_folders_are_one_line(reference_run, tmp_path):
+    args, _ = reference_run
+    out = tmp_path / "run"
+    train.train(parse_config(args(out, max_iters=3)))
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join([lines[0], "{ damaged", *lines[1:]]) + "\n")
+    with pytest.raises(ConfigError, match=r"metrics.jsonl:2 is not a metrics record"):
+        train.train(parse_config(args(out, max_iters=6) + ["--resume=true"]))
+    (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (out / ".lock").unlink()
+    (out / ".lock").mkdir()
+    with pytest.raises(ConfigError, match=r"\.lock cannot serve as the run's lock"):
+        train.train(parse_config(args(out, max_iters=6) + ["--resume=true"]))
+    tried("damaged run folder", 2)
