@@ -180,7 +180,7 @@ def wait_for_step(out_dir, step: int, proc: subprocess.Popen) -> None:
     raise AssertionError(f"run ended or stalled before step {step}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once for every file that uses it
 def long_args(tiny_corpus, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("data")
     reference = tmp_path_factory.mktemp("reference")
@@ -192,7 +192,7 @@ def long_args(tiny_corpus, tmp_path_factory):
     return args, records(reference)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once for every file that uses it
 def reference_run(tiny_corpus, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("data")
 
@@ -204,7 +204,7 @@ def reference_run(tiny_corpus, tmp_path_factory):
     return args, records(reference)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once for every file that uses it
 def trained(tiny_corpus, tmp_path_factory) -> tuple[Path, list[str]]:
     """A finished run of 4 steps with checkpoints at 2 and 4, and the arguments that made it."""
     tmp = tmp_path_factory.mktemp("trained")
