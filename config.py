@@ -11,12 +11,15 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from data import Flags
 from errors import ConfigError
-from model import GPTConfig
+
+if TYPE_CHECKING:  # the model (and torch.compile's import) only for the type: every script imports this file
+    from model import GPTConfig
 
 MAX_SEED = 2**63 - 1  # what torch, numpy and the data hash all take
 

@@ -18,10 +18,10 @@ from cli import format_duration
 from config import Config
 from data import Batch, Documents, PackedBatches, Rows
 from errors import ConfigError
-from model import GPT, attention_impl
 from run.folder import read_metrics
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the model (and torch.compile's import) only for the type: the benchmarks' children import this
+    from model import GPT
     from run import Session
 
 # ----------------------------------------------------------------------------------------------
@@ -136,13 +136,15 @@ class DocumentLosses:
 
 
 def describe_run(
-    cfg: Config, session: Session, model: GPT, train_rows: PackedBatches, val_alone: PackedBatches, val_tokens: int
-) -> None:
-    """The lines a run starts with; a new run's packing statistics also go to metrics.jsonl."""
+    cfg: Config, session: Session, model: GPT, attention: str, train_rows: PackedBatches, val_alone: PackedBatches,
+    val_tokens: int,
+) -> None:  # fmt: skip
+    """The lines a run starts with (`attention`: the kernel, model.attention_impl's); a new run's packing
+    statistics also go to metrics.jsonl."""
     processes = f", {session.world_size} processes" if session.world_size > 1 else ""
     session.print(
         f"model: {model.num_params() / 1e6:.2f}M parameters, pos_emb={cfg.pos_emb}, device={session.device}, "
-        f"attention={attention_impl(cfg.doc_mask, cfg.attn_impl, session.device)}{processes}"
+        f"attention={attention}{processes}"
     )
     tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * session.world_size
     resuming = f", resuming after step {session.first_step}" if session.resumed else ""

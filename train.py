@@ -33,7 +33,7 @@ from cli import Progress, help_text, parse_config, run_main
 from config import Config, adopt_prepared_settings, check_fits, eval_token_budget, warmup_steps
 from data import Batch, Flags, PackedBatches
 from errors import ConfigError, DataError, SaveFailed, Stopped, TrainingDiverged, interrupted_exit_code
-from model import GPT, GPTConfig, attention_mask
+from model import GPT, GPTConfig, attention_impl, attention_mask
 from run import Session
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ def train(cfg: Config) -> dict:
         mirror = reports.WandbMirror(cfg) if cfg.wandb and session.main_process else None
         first_step = session.start(model, optimizer, run.train, run.shard_path, run.meta, run.tokenizer, mirror)
         warn_about(cfg, session)
-        reports.describe_run(cfg, session, model, run.train, run.val_alone, run.val_tokens)
+        attention = attention_impl(cfg.doc_mask, cfg.attn_impl, session.device)
+        reports.describe_run(cfg, session, model, attention, run.train, run.val_alone, run.val_tokens)
         with session.stop_requests():  # from here a stop signal finishes the step in flight (session.stop)
             result = loop(cfg, session, run, model, optimizer, TrainingLog(cfg, session, first_step))
         if session.main_process and cfg.sample_prompt and cfg.sample_tokens and result.get("step") == cfg.max_iters:
