@@ -112,6 +112,14 @@ def test_no_function_is_over_60_lines():
     assert not long
 
 
+def test_the_settings_the_command_line_and_preparation_load_without_the_compiler():
+    """Every script imports config.py and cli.py, and the benchmarks' child processes reports.py: none may
+    import model.py, whose torch.compile wrappers load the compiler (about 4 s a process on a 2-core CPU)."""
+    code = "import sys, cli, config, prepare, reports; print('torch._dynamo' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "False", result.stderr[-2000:]
+
+
 def copy_training_side(folder) -> None:
     for name in TRAINING_SIDE:
         shutil.copy(ROOT / f"{name}.py", folder)
