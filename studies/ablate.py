@@ -27,7 +27,9 @@ invariant; the reference runs every seed that any cell of its position kind uses
 runs go in a seeded random order, so that the machine's load drifts into no variant's timing.
 
 Finished runs are skipped and an interrupted run resumes from its checkpoint, so re-running the command
-continues a stopped study; a run folder made with other settings that decide its result is refused.
+continues a stopped study; a run folder made with other settings that decide its result is refused. The same
+command started again while one runs shares the work: each run is trained by the first process to reach it
+(with threads = 1, two processes use two cores), and each process writes the report once every run is done.
 
 Written to the study's out_dir: results.md (the report), results.json (every number, per run too),
 effects.png, loss_by_position.png, offset_probe.png, and import_leak.png with the leak probe.
@@ -41,6 +43,7 @@ import os
 import platform
 import shlex
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +56,7 @@ from config import NOT_DECIDING, Config, resolve_device
 from errors import ConfigError, DataError, SaveFailed, Stopped, TrainingDiverged, interrupted_exit_code
 from prepare import prepare_for
 from reports import packing_statistics
-from run.folder import check_writable_folder, read_metrics, write_atomically
+from run.folder import check_writable_folder, exclusive_lock, read_metrics, write_atomically
 from shards import Shards, content_digests, digest_of, load_shards, load_tokenizer
 from studies import import_leak
 from studies.plan import Study, check_against, parse_args, run_config, run_order, seeds_of_cells
@@ -165,14 +168,30 @@ def study_data(base: Config, out: Path, threads: int) -> tuple[Path, Shards, str
     return shard_path, shards, data_digest
 
 
-def run_one(cfg: Config, study: Study, decided: dict, offsets: list[int]) -> dict:
-    """The run's result: read back when it finished before (check_reusable has vouched for it), else
-    trained (or resumed) and probed."""
+def run_one(cfg: Config, study: Study, decided: dict, offsets: list[int], wait: bool = True) -> dict | None:
+    """The run's result: read back when it finished before (check_reusable has vouched for it), else trained
+    (or resumed) and probed. Another process of the same study training it: None without `wait`, else its
+    result once it is done (or this process resumes the run, if that one stopped)."""
     out = Path(cfg.out_dir)
-    done, started = out / "result.json", out / "study_run.json"
+    done = out / "result.json"
     if done.exists():
         return json.loads(done.read_text())["result"]
     out.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as held:  # the run's lock, through its probes: one process of a study takes each run
+        on_busy = (lambda pid: print(f"waiting for process {pid}, which trains {out}", flush=True)) if wait else None
+        try:
+            held.enter_context(exclusive_lock(out / "study.lock", on_busy))
+        except BlockingIOError:
+            return None
+        if done.exists():  # the process waited for finished it
+            return json.loads(done.read_text())["result"]
+        return train_and_probe(cfg, study, decided, offsets)
+
+
+def train_and_probe(cfg: Config, study: Study, decided: dict, offsets: list[int]) -> dict:
+    """Train the run (or resume it from its checkpoint), probe it, and write its result.json last."""
+    out = Path(cfg.out_dir)
+    done, started = out / "result.json", out / "study_run.json"
     write_atomically(started, json.dumps({"decided_by": decided}))
     cfg.resume = (out / "ckpt.pt").exists()  # a run interrupted earlier continues from its checkpoint
     api.run(cfg)  # a stop signal ends it with Stopped, its checkpoint saved
@@ -287,13 +306,16 @@ def main(argv: list[str], command: list[str] | None = None) -> int:
 
 def train_planned(planned: list[tuple], study: Study, offsets: list[int]) -> dict:
     """Every planned run's result, by position kind, variant and seed: trained, or read back when it finished
-    before. A line after each run trained gives the study's progress and ETA."""
+    before. A run that another process of the same study is training is left to it until the end, then waited
+    for: the same command started twice shares the runs between two processes. A line after each run trained
+    gives this process's progress and ETA."""
     runs: dict = {pos: {v: {} for v in study.variants} for pos in study.pos_embs}
     to_train = sum(1 for *_, cfg, _ in planned if not (Path(cfg.out_dir) / "result.json").exists())
     # printed here once after every run, so the Progress itself prints nothing: it only keeps the ETA
     progress = Progress(
         to_train, lambda p: f"=== study: {p.done:.0f}/{p.total:.0f} runs trained, ETA {p.eta()}", lambda line: None
     )
+    elsewhere = []
     for i, (pos, variant, seed, cfg, decided) in enumerate(planned):
         fresh = not (Path(cfg.out_dir) / "result.json").exists()
         print(
@@ -301,10 +323,18 @@ def train_planned(planned: list[tuple], study: Study, offsets: list[int]) -> dic
             + ("" if fresh else " (finished before: skipped)"),
             flush=True,
         )
-        runs[pos][variant][seed] = run_one(cfg, study, decided, offsets)
+        result = run_one(cfg, study, decided, offsets, wait=False)
+        if result is None:
+            print("another process of this study is training it: on to the next run", flush=True)
+            elsewhere.append((pos, variant, seed, cfg, decided))
+            progress.total -= 1
+            continue
+        runs[pos][variant][seed] = result
         if fresh:
             progress.advance(1)
             print(progress.show(progress), flush=True)
+    for pos, variant, seed, cfg, decided in elsewhere:
+        runs[pos][variant][seed] = run_one(cfg, study, decided, offsets, wait=True)
     return runs
 
 

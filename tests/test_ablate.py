@@ -1,12 +1,16 @@
 """ablate.py: the study's settings, its seeds and run order, the endpoints and verdicts on known results,
 the refusal to reuse runs made with other settings, and a tiny study end to end."""
 
+import fcntl
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -610,8 +614,50 @@ def test_a_study_prints_its_progress_line_once_after_each_run_trained(tmp_path, 
     (tmp_path / "seed1" / "result.json").write_text("{}")  # finished before: skipped, not counted
     clock = iter(range(0, 10**6, 60))  # a minute between any two looks at the clock: any rate limit is past
     monkeypatch.setattr(cli.time, "time", lambda: next(clock))
-    monkeypatch.setattr(ablate, "run_one", lambda cfg, study, decided, offsets: {"val_doc_loss": 1.0})
+    monkeypatch.setattr(ablate, "run_one", lambda cfg, study, decided, offsets, wait: {"val_doc_loss": 1.0})
     runs = ablate.train_planned(planned, plan.Study(variants=["reference"], pos_embs=["learned"]), [1])
     progress = [line.split(", ETA")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("=== study")]
     assert progress == ["=== study: 1/2 runs trained", "=== study: 2/2 runs trained"]  # once each, piped or not
     assert sorted(runs["learned"]["reference"]) == [0, 1, 2]
+
+
+def test_two_processes_of_a_study_share_its_runs_and_wait_for_each_others(tmp_path, capsys, monkeypatch):
+    planned = [("learned", "reference", seed, Config(out_dir=str(tmp_path / f"seed{seed}")), {}) for seed in range(3)]
+    trained = []
+
+    def train(cfg, study, decided, offsets):
+        trained.append(cfg.out_dir)
+        (Path(cfg.out_dir) / "result.json").write_text(json.dumps({"result": {"val_doc_loss": 2.0}}))
+        return {"val_doc_loss": 2.0}
+
+    monkeypatch.setattr(ablate, "train_and_probe", train)
+    (tmp_path / "seed1").mkdir()
+    other = os.open(tmp_path / "seed1" / "study.lock", os.O_RDWR | os.O_CREAT)  # another process holds seed 1
+    fcntl.flock(other, fcntl.LOCK_EX)
+
+    def finish_seed1_then_release():
+        time.sleep(0.5)
+        (tmp_path / "seed1" / "result.json").write_text(json.dumps({"result": {"val_doc_loss": 1.5}}))
+        os.close(other)
+
+    threading.Thread(target=finish_seed1_then_release).start()
+    runs = ablate.train_planned(planned, plan.Study(variants=["reference"], pos_embs=["learned"]), [1])
+    assert trained == [str(tmp_path / "seed0"), str(tmp_path / "seed2")]  # seed 1 was the other process's
+    assert runs["learned"]["reference"] == {
+        0: {"val_doc_loss": 2.0},
+        1: {"val_doc_loss": 1.5},
+        2: {"val_doc_loss": 2.0},
+    }
+    out = capsys.readouterr().out
+    assert "another process of this study is training it" in out and f"waiting for process {os.getpid()}" in out
+
+
+def test_a_run_the_other_process_left_unfinished_is_resumed_by_the_one_waiting(tmp_path, monkeypatch):
+    cfg = Config(out_dir=str(tmp_path / "seed0"))
+    monkeypatch.setattr(ablate, "train_and_probe", lambda cfg, study, decided, offsets: {"val_doc_loss": 3.0})
+    (tmp_path / "seed0").mkdir()
+    other = os.open(tmp_path / "seed0" / "study.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    assert ablate.run_one(cfg, plan.Study(), {}, [1], wait=False) is None
+    threading.Timer(0.3, os.close, [other]).start()  # it stops without a result
+    assert ablate.run_one(cfg, plan.Study(), {}, [1], wait=True) == {"val_doc_loss": 3.0}
