@@ -114,6 +114,11 @@ class Study:
         "the order of float sums, which training amplifies",
         minimum=0,
     )
+    decided_in: str = setting(
+        "",
+        "the registration that decides this study's primary tests together with other studies' (python -m "
+        "studies.confirm); its own report then gives their effects and intervals, no verdicts",
+    )
     import_leak: bool = setting(False, "also run import_leak.py's probe on every run (needs whole Python files)")
     leak_pairs: int = setting(64, "pairs of the import-leak probe at most", minimum=1)
 

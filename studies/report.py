@@ -149,7 +149,17 @@ def summarise(runs: dict, study: Study, offsets: list[int]) -> dict:
                 cell["leak_growth"] = leak_growth([by_seed[s]["import_leak"] for s in seeds])
             cells[f"{pos}/{variant}"] = cell
     decide_primary(cells)
+    defer_verdicts(cells, study.decided_in)
     return cells
+
+
+def defer_verdicts(cells: dict, decided_in: str) -> None:
+    """A study that one registration decides together with others (decided_in) gives its primary effects and
+    predicted invariances without verdicts: its own family would decide them another way."""
+    for cell in cells.values() if decided_in else []:
+        for name, entry in cell["endpoints"].items():
+            if entry.get("role") == "primary" or (entry.get("role") == "invariant" and name in DIFFERENCE_ENDPOINTS):
+                entry["verdict"], entry["robust"] = f"decided in {decided_in}", True
 
 
 def leak_growth(probes: list[dict]) -> dict:
@@ -214,6 +224,8 @@ def describe_effect(entry: dict) -> str:
         how = "bitwise" if entry["bitwise"] else f"max \\|Δ\\| {entry['max_abs_difference']:.1e}"
         if entry["verdict"] == "invariant":
             return f"invariant ({how})"
+        if entry["verdict"].startswith("decided in"):
+            return f"{entry['verdict']} ({how})"
         return f"not invariant within the tolerance ({how}; \\|Δ\\| < {entry['bound']:.4f})"
     low, high = entry["ci95"] if entry["role"] == "primary" else entry["ci90"]
     interval = "" if not math.isfinite(low) else f" [{low:+.3f}, {high:+.3f}]"

@@ -20,6 +20,7 @@ Predicted invariances are checked value by value, outside the family (`invarianc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,3 +148,78 @@ def invariance(values: list[float], reference: list[float] | None, tolerance: fl
     diffs = [abs(a - b) for a, b in zip(values, other, strict=True)]
     worst = max(diffs) if all(map(math.isfinite, diffs)) else math.inf  # max() may skip a NaN, by its place
     return ("invariant" if worst <= tolerance else "not invariant"), worst, worst == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning: power, seeds, and how far a pilot's spread can be trusted
+
+
+def paired_power(effect: float, sd: float, n: int, alpha: float) -> float:
+    """Power of the two-sided paired t-test at level `alpha` with n seeds, when the true mean difference is
+    `effect` and the per-seed differences have standard deviation `sd`: P(|T| > t crit) under the noncentral
+    t with n - 1 degrees of freedom and noncentrality effect sqrt(n) / sd."""
+    if n < 2:
+        return 0.0
+    df, shift = n - 1, effect * math.sqrt(n) / sd
+    critical = t_quantile(1 - alpha / 2, df)
+    return float(scipy.stats.nct.sf(critical, df, shift) + scipy.stats.nct.cdf(-critical, df, shift))
+
+
+def welch_df(var_a: float, n_a: int, var_b: float, n_b: int) -> float:
+    """Welch-Satterthwaite degrees of freedom of a difference of two means with unequal variances."""
+    a, b = var_a / n_a, var_b / n_b
+    return (a + b) ** 2 / (a * a / (n_a - 1) + b * b / (n_b - 1))
+
+
+def welch_power(effect: float, sd_a: float, n_a: int, sd_b: float, n_b: int, alpha: float) -> float:
+    """Power of the two-sided Welch test of two independent groups' means (the usual noncentral-t
+    approximation, with the planned sds' Welch-Satterthwaite degrees of freedom)."""
+    df = welch_df(sd_a**2, n_a, sd_b**2, n_b)
+    shift = effect / math.sqrt(sd_a**2 / n_a + sd_b**2 / n_b)
+    critical = t_quantile(1 - alpha / 2, df)
+    return float(scipy.stats.nct.sf(critical, df, shift) + scipy.stats.nct.cdf(-critical, df, shift))
+
+
+def seeds_for_power(effect: float, sd: float, alpha: float, power: float, most: int = 200) -> int | None:
+    """The fewest seeds whose paired t-test reaches `power` (None if not within `most`)."""
+    return next((n for n in range(2, most + 1) if paired_power(effect, sd, n, alpha) >= power), None)
+
+
+def smallest_detectable(power_at: Callable[[float], float], power: float, sd: float) -> float:
+    """The smallest effect that a test reaches `power` for, `power_at(effect)` its power (bisection; power
+    grows with the effect)."""
+    low, high = 0.0, sd
+    while power_at(high) < power:
+        low, high = high, 2 * high
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if power_at(middle) < power else (low, middle)
+    return high
+
+
+def sd_upper_limit(sd: float, n: int, confidence: float = 0.8) -> float:
+    """The one-sided upper confidence limit of a standard deviation measured on n values (chi-square): a
+    pilot's few seeds understate the spread as often as not, so a study is planned from this bound."""
+    return sd * math.sqrt((n - 1) / scipy.stats.chi2.ppf(1 - confidence, n - 1))
+
+
+def welch_p(values_a: list[float], values_b: list[float]) -> tuple[float, float, float]:
+    """(difference b - a, its standard error, two-sided p) of Welch's test of two independent groups."""
+    a, b = np.asarray(values_a, dtype=float), np.asarray(values_b, dtype=float)
+    var_a, var_b = a.var(ddof=1), b.var(ddof=1)
+    se = math.sqrt(var_a / len(a) + var_b / len(b))
+    difference = float(b.mean() - a.mean())
+    df = welch_df(var_a, len(a), var_b, len(b))
+    return difference, se, 2 * (1 - t_cdf(abs(difference) / se, df))
+
+
+def rank_sum_p(values_a: list[float], values_b: list[float]) -> float:
+    """Two-sided p of the Mann-Whitney rank-sum test (exact for few values): the check, beside Welch's test,
+    that a difference between two independent groups does not rest on one heavy-tailed value."""
+    return float(scipy.stats.mannwhitneyu(values_b, values_a, alternative="two-sided", method="exact").pvalue)
+
+
+def smallest_rank_sum_p(n_a: int, n_b: int) -> float:
+    """The smallest two-sided p the exact rank-sum test can give: every value of one group above every
+    value of the other, 2 of the C(n_a + n_b, n_a) orderings."""
+    return min(1.0, 2.0 / math.comb(n_a + n_b, n_a))

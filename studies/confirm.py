@@ -1,0 +1,492 @@
+"""The confirmatory study's registered decisions, taken across the studies it is made of:
+
+    python -m studies.confirm configs/confirm.toml --plan     # the registration's power calculation
+    python -m studies.confirm configs/confirm.toml            # the decisions, once its studies have run
+    python -m studies.confirm configs/confirm.toml --studies_dir=results --out_dir=results/confirm
+                                                              # from the committed studies, into the committed report
+
+The study is several `python -m studies.ablate` studies (two training lengths, and a rerun at another thread
+count), decided together by the families that the registration (configs/confirm.toml) names, never by each
+study's own report:
+  primary      at most five difference tests, Holm at family-wise alpha: a cell against its reference, paired
+               by seed (t-test), or the growth of a cell's effect from one study to a longer one (Welch's
+               test of the per-seed effects). Each verdict is checked by a rank test (signed-rank; rank-sum
+               for growth), Holm over the same family, where the seeds can reach it; the report says where
+               they cannot.
+  equivalence  a family of its own: TOST against its margin.
+  invariance   a cell theory predicts equal to its reference, against a rerun of the reference at another
+               thread count: "within rounding" when every difference is at most `invariance_factor` times
+               what the rerun moved.
+Beside every effect: the whole-document loss from the second token, in nats and in percent of the
+reference's loss, and a bootstrap over the validation documents of that whole-document effect (the seeds
+held fixed: how much the choice of documents moves it).
+
+With --plan it reads no results: for each test, the seeds each cell runs (from the studies' configs), the
+planned effect and spread (the registration's, or the pilot's spread bounded above), and the power.
+Written to --out_dir (out/confirm unless given): confirm.md and confirm.json.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from cli import read_config_file, run_main
+from errors import ConfigError, SaveFailed
+from run.folder import check_writable_folder, write_atomically
+from studies import stats
+from studies.plan import DIFFERENCE_ENDPOINTS, Study, parse_args, seeds_of_cells
+from studies.report import ENDPOINT_NAMES, endpoints, saved_runs, settings_changed
+from studies.tables import markdown_table
+
+
+@dataclass
+class Test:
+    """One registered test: a cell of a study against its reference, or (growth_from) the growth of that
+    cell's effect from another study to this one."""
+
+    name: str
+    study: str
+    pos: str
+    variant: str
+    endpoint: str
+    plan_effect: float  # the smallest effect the test is sized to find (nats)
+    plan_sd: float = 0.0  # the per-seed effects' planned sd (0: from the pilot)
+    plan_sd_from: str = ""  # the pilot's cell ("pos/variant") whose spread plans this test: its own unless named
+    plan_sd_before: float = 0.0  # growth: the same in the study it grows from
+    growth_from: str = ""
+    margin: float = 0.0  # equivalence tests
+
+
+@dataclass
+class Registration:
+    studies: dict[str, str]  # name -> ablate config
+    primary: list[Test]
+    equivalence: list[Test]
+    invariance: dict  # study, pos, variant, rounding (a study's name)
+    pilot: str = ""  # a pilot's runs (ablate's layout) for the planned spreads
+    pilot_config: str = ""
+    alpha: float = stats.ALPHA
+    power: float = 0.8
+    invariance_factor: float = 3.0
+    bootstrap_resamples: int = 2000
+    notes: dict = field(default_factory=dict)
+
+
+def read_registration(path: Path) -> Registration:
+    """The registration, each field checked, with one line naming what is wrong."""
+    values = read_config_file(path)
+    try:
+        tests = {kind: [Test(**t) for t in values.pop(kind, [])] for kind in ("primary", "equivalence")}
+        registration = Registration(**values, **tests)
+    except TypeError as e:
+        raise ConfigError(f"{path}: {e} (see python -m studies.confirm --help)") from None
+    if not 1 <= len(registration.primary) <= 5:
+        raise ConfigError(f"{path}: the primary family holds {len(registration.primary)} tests; register 1 to 5")
+    for test in registration.primary + registration.equivalence:
+        for name in (test.study, test.growth_from) if test.growth_from else (test.study,):
+            if name not in registration.studies:
+                raise ConfigError(
+                    f"{path}: test {test.name!r} names study {name!r}, not one of {sorted(registration.studies)}"
+                )
+        if test.endpoint not in DIFFERENCE_ENDPOINTS:
+            raise ConfigError(
+                f"{path}: test {test.name!r}: endpoint {test.endpoint!r} is not one of {DIFFERENCE_ENDPOINTS}"
+            )
+    return registration
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan: seeds and power
+
+
+def pilot_sd(registration: Registration, pilot_cell: str, endpoint: str) -> tuple[float, int]:
+    """The sd of a pilot cell's per-seed effects on an endpoint, and its number of seeds."""
+    study, base = parse_args([registration.pilot_config])
+    offsets = sorted(set(study.probe_offsets) | {1, base.seq_len // 2})  # as studies.ablate probes them
+    folder = Path(registration.pilot)
+    pos, variant = pilot_cell.split("/")
+    diffs = []
+    for run in sorted((folder / pos / variant).glob("seed*/result.json")):
+        reference = folder / pos / "reference" / run.parent.name / "result.json"
+        values = [endpoints(json.loads(p.read_text())["result"], study, offsets)[endpoint] for p in (run, reference)]
+        diffs.append(values[0] - values[1])
+    if len(diffs) < 2:
+        raise ConfigError(f"{folder}: the pilot has {len(diffs)} finished {pilot_cell} run(s); its sd needs 2")
+    return float(np.std(diffs, ddof=1)), len(diffs)
+
+
+def planned_sd(registration: Registration, test: Test) -> tuple[float, str]:
+    """The spread a test is planned with, and where it comes from."""
+    if test.plan_sd:
+        return test.plan_sd, registration.notes.get(test.name, "registered")
+    pilot_cell = test.plan_sd_from or f"{test.pos}/{test.variant}"
+    sd, n = pilot_sd(registration, pilot_cell, test.endpoint)
+    bound = stats.sd_upper_limit(sd, n, 0.8)
+    return bound, f"the pilot's {pilot_cell}: sd {sd:.4f} over {n} seeds, at its upper 80% confidence limit"
+
+
+def study_seeds(registration: Registration) -> dict[str, dict]:
+    """Each study's seeds of every cell, from its config."""
+    return {name: seeds_of_cells(parse_args([config])[0]) for name, config in registration.studies.items()}
+
+
+def plan_rows(registration: Registration) -> list[list]:
+    """Each primary test's seeds, planned effect and spread, its power at Holm's strictest level, and the
+    smallest effect it finds with the registered power."""
+    seeds = study_seeds(registration)
+    level = registration.alpha / len(registration.primary)  # Holm's first step: every later one is easier
+    rows = []
+    for test in registration.primary:
+        sd, source = planned_sd(registration, test)
+        n = len(seeds[test.study][test.pos, test.variant])
+        if test.growth_from:
+            n_before = len(seeds[test.growth_from][test.pos, test.variant])
+            power_at = functools.partial(
+                stats.welch_power, sd_a=test.plan_sd_before, n_a=n_before, sd_b=sd, n_b=n, alpha=level
+            )
+            count, needed = f"{n_before} + {n}", "-"
+        else:
+            power_at = functools.partial(stats.paired_power, sd=sd, n=n, alpha=level)
+            count, needed = str(n), stats.seeds_for_power(test.plan_effect, sd, level, registration.power)
+        smallest = stats.smallest_detectable(power_at, registration.power, sd)
+        rows.append([test.name, count, f"{test.plan_effect:g}", f"{sd:.4f}", source, needed])
+        rows[-1] += [f"{power_at(test.plan_effect):.3f}", f"{smallest:.3f}"]
+    return rows
+
+
+def plan_lines(registration: Registration) -> list[str]:
+    level = registration.alpha / len(registration.primary)
+    header = [
+        "test",
+        "seeds",
+        "planned effect",
+        "planned sd",
+        "sd from",
+        f"seeds for power {registration.power}",
+        "power",
+        f"smallest effect at power {registration.power}",
+    ]
+    return [
+        f"Power of each primary test at alpha {registration.alpha} / {len(registration.primary)} = {level:g} "
+        "(Holm's first step, two-sided; later steps test at a higher level):",
+        "",
+        *markdown_table(header, plan_rows(registration)),
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the studies
+
+
+def read_study(config: str, studies_dir: Path | None) -> tuple[Study, dict, list[int]]:
+    """A study's settings, its runs (position kind -> variant -> seed -> result) and probe offsets, from its
+    results.json (in its out_dir, or in studies_dir under the out_dir's last part)."""
+    study, base = parse_args([config])
+    folder = Path(study.out_dir) if studies_dir is None else studies_dir / Path(study.out_dir).name
+    path = folder / "results.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: run python -m studies.ablate {config} first (or give --studies_dir)")
+    try:
+        saved = json.loads(path.read_text())
+        runs, offsets, changed = saved_runs(saved), saved["probe_offsets"], settings_changed(saved, study, base)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{path} cannot be read as a study's results ({type(e).__name__}: {e})") from None
+    if changed:
+        raise ConfigError(f"{path} was written with other settings than {config} ({', '.join(changed)})")
+    return study, runs, offsets
+
+
+@dataclass
+class Cell:
+    """A cell's runs and its reference's, by seed."""
+
+    values: dict[int, dict]  # seed -> endpoint -> value
+    reference: dict[int, dict]
+    documents: dict[int, np.ndarray]  # seed -> (2, documents): from-second loss sums, counts
+    reference_documents: dict[int, np.ndarray]
+
+    def effects(self, endpoint: str) -> list[float]:
+        return [self.values[s][endpoint] - self.reference[s][endpoint] for s in sorted(self.values)]
+
+    def reference_mean(self, endpoint: str) -> float:
+        return float(np.mean([self.reference[s][endpoint] for s in sorted(self.values)]))
+
+
+def from_second_by_document(result: dict) -> np.ndarray:
+    """Each validation document's loss sum and count from its second token (the targets with and without the
+    start marker share)."""
+    sums = np.asarray(result["val_doc_loss_sum_by_document"], dtype=float)
+    counts = np.asarray(result["val_doc_count_by_document"], dtype=float)
+    if "val_doc_first_token_loss_by_document" in result:  # under the marker, the first token is predicted from it
+        sums, counts = sums - np.asarray(result["val_doc_first_token_loss_by_document"]), counts - 1
+    return np.stack([sums, counts])
+
+
+def cell(study_runs: tuple[Study, dict, list[int]], pos: str, variant: str) -> Cell:
+    study, runs, offsets = study_runs
+    if variant not in runs.get(pos, {}):
+        raise ConfigError(f"{study.out_dir} has no {pos}/{variant} runs")
+    mine, reference = runs[pos][variant], runs[pos]["reference"]
+    return Cell(
+        {s: endpoints(r, study, offsets) for s, r in mine.items()},
+        {s: endpoints(reference[s], study, offsets) for s in mine},
+        {s: from_second_by_document(r) for s, r in mine.items()},
+        {s: from_second_by_document(reference[s]) for s in mine},
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The decisions
+
+
+def resampled_losses(documents: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """A run's whole-document loss under each bootstrap resample (a row of weights: how often each document
+    was drawn)."""
+    return (weights @ documents[0]) / (weights @ documents[1])
+
+
+def bootstrap_interval(cells: list[Cell], signs: list[float], resamples: int, seed: int = 0) -> list[float]:
+    """The 95% percentile interval of sum_i sign_i * (cell i's mean whole-document effect) when the validation
+    documents are drawn again with replacement, the same draw for every run."""
+    n_documents = next(iter(cells[0].documents.values())).shape[1]
+    draws = np.random.default_rng(seed).integers(0, n_documents, size=(resamples, n_documents))
+    weights = np.stack([np.bincount(row, minlength=n_documents) for row in draws]).astype(float)
+    total = np.zeros(resamples)
+    for one, sign in zip(cells, signs, strict=True):
+        effects = [
+            resampled_losses(one.documents[s], weights) - resampled_losses(one.reference_documents[s], weights)
+            for s in sorted(one.documents)
+        ]
+        total += sign * np.mean(effects, axis=0)
+    return [float(x) for x in np.percentile(total, [2.5, 97.5])]
+
+
+def percent(effect: float, of: float) -> float:
+    return 100 * effect / of
+
+
+def paired_test(one: Cell, test: Test, resamples: int) -> dict:
+    """A cell against its reference, seed by seed: the effect, its interval and p, the rank test's p and the
+    smallest p its seeds allow, and the whole-document effect beside it."""
+    effect = stats.paired_effect(one.effects(test.endpoint))
+    whole = stats.paired_effect(one.effects("from_second"))
+    n = len(one.values)
+    return {
+        "seeds": n,
+        "reference": one.reference_mean(test.endpoint),
+        "estimate": effect.estimate,
+        "ci95": list(effect.interval(0.95)),
+        "percent": percent(effect.estimate, one.reference_mean(test.endpoint)),
+        "sd": math.sqrt(n) * effect.se if n > 1 else math.inf,
+        "p": effect.p_difference(),
+        "p_rank": stats.signed_rank_p(one.effects(test.endpoint), [0.0] * n),
+        "smallest_p_rank": stats.smallest_signed_rank_p(n),
+        "whole": whole.estimate,
+        "whole_ci95": list(whole.interval(0.95)),
+        "whole_percent": percent(whole.estimate, one.reference_mean("from_second")),
+        "whole_bootstrap95": bootstrap_interval([one], [1.0], resamples),
+    }
+
+
+def growth_test(before: Cell, after: Cell, test: Test, resamples: int) -> dict:
+    """How much a cell's effect grows from one study to another: Welch's test of the per-seed effects (the
+    studies' seeds differ, so nothing pairs them), and the rank-sum test beside it."""
+    early_before, early_after = before.effects(test.endpoint), after.effects(test.endpoint)
+    growth, se, p = stats.welch_p(early_before, early_after)
+    df = stats.welch_df(np.var(early_before, ddof=1), len(early_before), np.var(early_after, ddof=1), len(early_after))
+    half = stats.t_quantile(0.975, df) * se
+    whole_growth, whole_se, _ = stats.welch_p(before.effects("from_second"), after.effects("from_second"))
+    whole_df = stats.welch_df(
+        np.var(before.effects("from_second"), ddof=1),
+        len(before.values),
+        np.var(after.effects("from_second"), ddof=1),
+        len(after.values),
+    )
+    whole_half = stats.t_quantile(0.975, whole_df) * whole_se
+    effect_before = float(np.mean(early_before))
+    return {
+        "seeds": f"{len(early_before)} + {len(early_after)}",
+        "reference": effect_before,  # what it grows from: the earlier study's effect
+        "estimate": growth,
+        "ci95": [growth - half, growth + half],
+        "percent": percent(growth, abs(effect_before)),
+        "p": p,
+        "p_rank": stats.rank_sum_p(early_before, early_after),
+        "smallest_p_rank": stats.smallest_rank_sum_p(len(early_before), len(early_after)),
+        "whole": whole_growth,
+        "whole_ci95": [whole_growth - whole_half, whole_growth + whole_half],
+        "whole_percent": percent(whole_growth, abs(float(np.mean(before.effects("from_second"))))),
+        "whole_bootstrap95": bootstrap_interval([after, before], [1.0, -1.0], resamples),
+    }
+
+
+def decide_family(results: dict[str, dict], alpha: float, growth: set[str]) -> None:
+    """Holm over the family's difference tests, and over its rank tests; a rank test that no data could pass
+    (the smallest p its seeds allow, or the family's smallest times the family's size, at least alpha) is
+    marked unreachable."""
+    adjusted = stats.holm({name: r["p"] for name, r in results.items()})
+    adjusted_rank = stats.holm({name: r["p_rank"] for name, r in results.items()})
+    first_step = len(results) * min(r["smallest_p_rank"] for r in results.values())
+    for name, r in results.items():
+        r["p_holm"], r["p_rank_holm"] = adjusted[name], adjusted_rank[name]
+        words = ("grows", "shrinks") if name in growth else ("hurts", "helps")
+        r["verdict"] = (words[0] if r["estimate"] > 0 else words[1]) if adjusted[name] < alpha else "unresolved"
+        r["rank_reachable"] = max(r["smallest_p_rank"], first_step) < alpha
+        r["robust"] = bool(adjusted_rank[name] < alpha) if r["rank_reachable"] else None
+
+
+def decide(registration: Registration, read: dict) -> dict:
+    """Every registered decision, from the studies' runs (`read`: study name -> read_study's answer)."""
+    primary = {}
+    for test in registration.primary:
+        after = cell(read[test.study], test.pos, test.variant)
+        if test.growth_from:
+            before = cell(read[test.growth_from], test.pos, test.variant)
+            primary[test.name] = growth_test(before, after, test, registration.bootstrap_resamples)
+        else:
+            primary[test.name] = paired_test(after, test, registration.bootstrap_resamples)
+    decide_family(primary, registration.alpha, {t.name for t in registration.primary if t.growth_from})
+    equivalence = {}
+    for test in registration.equivalence:
+        effect = stats.paired_effect(cell(read[test.study], test.pos, test.variant).effects(test.endpoint))
+        equivalence[test.name] = {
+            "estimate": effect.estimate,
+            "ci90": list(effect.interval(0.90)),
+            "margin": test.margin,
+            "p": effect.p_equivalence(test.margin),
+        }
+    adjusted = stats.holm({name: r["p"] for name, r in equivalence.items()})
+    for name, r in equivalence.items():
+        r["p_holm"] = adjusted[name]
+        r["verdict"] = "negligible" if adjusted[name] < registration.alpha else "not shown negligible"
+    return {"primary": primary, "equivalence": equivalence, "invariance": invariance(registration, read)}
+
+
+def invariance(registration: Registration, read: dict) -> dict:
+    """The predicted-invariant cell's differences to its reference (in its study and in the rerun at another
+    thread count) against how far the rerun moved the reference: within rounding when every one is at most
+    invariance_factor times that."""
+    where = registration.invariance
+    rerun = read[where["rounding"]]
+    checks = {}
+    for name in ("early", "late", "from_second"):
+        found = [
+            cell(read[where["study"]], where["pos"], where["variant"]),
+            cell(rerun, where["pos"], where["variant"]),
+        ]
+        differences = [d for one in found for d in one.effects(name)]
+        shared = sorted(set(found[0].reference) & set(found[1].reference))
+        rounding = [abs(found[1].reference[s][name] - found[0].reference[s][name]) for s in shared]
+        bound = registration.invariance_factor * max(rounding)
+        checks[name] = {
+            "differences": differences,
+            "rounding": rounding,
+            "verdict": "within rounding" if max(map(abs, differences)) <= bound else "beyond rounding",
+        }
+    return checks
+
+
+# ----------------------------------------------------------------------------------------------
+# The report
+
+
+def signed(value: float, interval: list[float]) -> str:
+    return f"{value:+.3f} [{interval[0]:+.3f}, {interval[1]:+.3f}]"
+
+
+def primary_rows(decided: dict, alpha: float) -> list[list]:
+    rows = []
+    for name, r in decided["primary"].items():
+        if r["robust"] is None:
+            rank = f"cannot pass (smallest p {r['smallest_p_rank']:.2g})"
+        else:
+            rank = f"{r['p_rank_holm']:.2g}" + ("" if r["robust"] else " (not robust)")
+        rows.append(
+            [name, r["seeds"], f"**{r['verdict']}**", f"{signed(r['estimate'], r['ci95'])}", f"{r['percent']:+.1f}%"]
+            + [f"{r['p_holm']:.2g}", rank, f"{signed(r['whole'], r['whole_ci95'])} ({r['whole_percent']:+.1f}%)"]
+            + ["[{:+.3f}, {:+.3f}]".format(*r["whole_bootstrap95"])]
+        )
+    return rows
+
+
+def report(registration: Registration, decided: dict) -> str:
+    header = ["test", "seeds", "verdict", "effect [95% CI], nats", "% of the reference", "Holm p", "rank test, Holm p"]
+    header += ["whole documents from the 2nd token [95% CI]", "over documents (bootstrap 95%)"]
+    lines = [
+        "# The confirmatory study: its registered decisions",
+        "",
+        f"Primary family: Holm over {len(registration.primary)} difference tests at family-wise alpha "
+        f"{registration.alpha}. Effects are the variant's loss minus the reference's (positive: the fix turned off "
+        "helps); growth is the later study's effect minus the earlier one's, in % of the earlier one.",
+        "",
+        *markdown_table(header, primary_rows(decided, registration.alpha)),
+        "",
+        "## Equivalence (a family of its own)",
+        "",
+        *markdown_table(
+            ["test", "effect [90% CI]", "margin", "Holm p", "verdict"],
+            [
+                [n, signed(r["estimate"], r["ci90"]), r["margin"], f"{r['p_holm']:.2g}", r["verdict"]]
+                for n, r in decided["equivalence"].items()
+            ],
+        ),
+        "",
+        f"## Invariance: differences against the thread-count rerun's (x{registration.invariance_factor:g})",
+        "",
+        *markdown_table(
+            ["endpoint", "differences to the reference", "the rerun moved the reference", "verdict"],
+            [
+                [
+                    ENDPOINT_NAMES[n],
+                    ", ".join(f"{d:+.2e}" for d in r["differences"]),
+                    ", ".join(f"{d:.2e}" for d in r["rounding"]),
+                    r["verdict"],
+                ]
+                for n, r in decided["invariance"].items()
+            ],
+        ),
+        "",
+        "## As registered",
+        "",
+        *plan_lines(registration),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    options = dict(a.removeprefix("--").split("=", 1) if "=" in a else (a.removeprefix("--"), "") for a in argv[1:])
+    unknown = set(options) - {"plan", "studies_dir", "out_dir"}
+    try:
+        if unknown:
+            raise ConfigError(f"unknown option(s) {', '.join(sorted(unknown))}: see python -m studies.confirm --help")
+        registration = read_registration(Path(argv[0]))
+        if "plan" in options:
+            print("\n".join(plan_lines(registration)))
+            return 0
+        studies_dir = Path(options["studies_dir"]) if options.get("studies_dir") else None
+        out = Path(options.get("out_dir") or "out/confirm")
+        read = {name: read_study(config, studies_dir) for name, config in registration.studies.items()}
+        decided = decide(registration, read)
+        text = report(registration, decided)
+        check_writable_folder(out, "out_dir")
+        write_atomically(out / "confirm.json", json.dumps(decided, indent=1))
+        write_atomically(out / "confirm.md", text)
+        print(text + f"wrote {out / 'confirm.md'} and confirm.json")
+    except (ConfigError, SaveFailed) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,308 @@
+"""The confirmatory study's planning and decisions (studies/confirm.py, and the power functions of
+studies/stats.py), pinned against scipy's own tests, simulation and the published G*Power value."""
+
+import numpy as np
+import pytest
+import scipy.stats
+
+from errors import ConfigError
+from studies import confirm, plan, report, stats
+
+# ----------------------------------------------------------------------------------------------
+# Power, against simulation
+
+
+def simulated_paired_power(effect: float, sd: float, n: int, alpha: float, trials: int = 20000) -> float:
+    diffs = np.random.default_rng(1).normal(effect, sd, size=(trials, n))
+    return float(np.mean(scipy.stats.ttest_1samp(diffs, 0.0, axis=1).pvalue < alpha))
+
+
+@pytest.mark.parametrize("effect, sd, n, alpha", [(0.5, 1.0, 10, 0.05), (0.1, 0.08, 8, 0.01), (0.05, 0.05, 16, 0.01)])
+def test_paired_power_is_the_rejection_rate_of_the_t_test(effect, sd, n, alpha):
+    assert stats.paired_power(effect, sd, n, alpha) == pytest.approx(
+        simulated_paired_power(effect, sd, n, alpha), abs=0.012
+    )
+
+
+def test_paired_power_gives_the_published_sample_size():
+    # G*Power 3 (Faul et al. 2007), a priori, matched pairs: d = 0.5, alpha 0.05 two-sided, power 0.8 -> 34 pairs,
+    # actual power 0.8078
+    assert stats.seeds_for_power(0.5, 1.0, 0.05, 0.8) == 34
+    assert stats.paired_power(0.5, 1.0, 34, 0.05) == pytest.approx(0.8078, abs=1e-4)
+    assert stats.paired_power(0.5, 1.0, 33, 0.05) < 0.8
+
+
+def test_welch_power_is_the_rejection_rate_of_welchs_test():
+    rng = np.random.default_rng(2)
+    a = rng.normal(0.4, 0.09, size=(20000, 16))
+    b = rng.normal(0.5, 0.05, size=(20000, 8))
+    simulated = np.mean(scipy.stats.ttest_ind(b, a, axis=1, equal_var=False).pvalue < 0.01)
+    assert stats.welch_power(0.1, 0.09, 16, 0.05, 8, 0.01) == pytest.approx(simulated, abs=0.015)
+
+
+def test_the_upper_limit_of_a_pilots_sd_covers_the_true_sd_as_often_as_it_says():
+    samples = np.random.default_rng(3).normal(0.0, 1.0, size=(40000, 3))
+    bounds = [stats.sd_upper_limit(sd, 3, 0.8) for sd in samples.std(axis=1, ddof=1)]
+    assert np.mean(np.asarray(bounds) >= 1.0) == pytest.approx(0.8, abs=0.01)
+
+
+def test_the_smallest_detectable_effect_has_the_power_asked_for():
+    def power_at(effect):
+        return stats.paired_power(effect, 0.1, 8, 0.01)
+
+    smallest = stats.smallest_detectable(power_at, 0.8, 0.1)
+    assert power_at(smallest) == pytest.approx(0.8, abs=1e-6) and power_at(0.99 * smallest) < 0.8
+
+
+def test_welch_and_the_rank_sum_test_agree_with_scipy():
+    a, b = [0.41, 0.47, 0.39, 0.52, 0.45], [0.55, 0.61, 0.49, 0.66]
+    difference, se, p = stats.welch_p(a, b)
+    ours = scipy.stats.ttest_ind(b, a, equal_var=False)
+    assert difference == pytest.approx(np.mean(b) - np.mean(a)) and p == pytest.approx(ours.pvalue, rel=1e-9)
+    assert difference / se == pytest.approx(ours.statistic, rel=1e-9)
+    assert stats.rank_sum_p(a, b) == pytest.approx(scipy.stats.mannwhitneyu(a, b, method="exact").pvalue)
+    assert stats.rank_sum_p([1, 2, 3], [4, 5, 6, 7]) == pytest.approx(stats.smallest_rank_sum_p(3, 4))
+
+
+# ----------------------------------------------------------------------------------------------
+# Decisions on planted results
+
+
+def fake_result(early: float, late: float, document_losses: np.ndarray, marker: bool = True) -> dict:
+    """A run's result: positions 0-1023 scored twice each at the band's loss; documents of 50 tokens each at
+    their own loss, the first one predicted from the marker at loss 2.0."""
+    by_position = [early] * 16 + [(early + late) / 2] * 240 + [late] * 768
+    counts = np.full(len(document_losses), 50.0)
+    sums = document_losses * counts
+    first = np.full(len(document_losses), 2.0) if marker else np.zeros(len(document_losses))
+    result = {
+        "val_doc_loss": float(sums.sum() / counts.sum()),
+        "val_doc_loss_from_second": float((sums - first).sum() / (counts - marker).sum()),
+        "val_doc_loss_sum_by_position": [2 * x for x in by_position],
+        "val_doc_count_by_position": [2] * 1024,
+        "val_doc_loss_sum_by_document": sums.tolist(),
+        "val_doc_count_by_document": counts.astype(int).tolist(),
+        "offset_loss": {"1": 5.0, "64": 5.0, "512": 5.0},
+        "after_other": 5.0,
+        "val_loss": 5.0,
+        "wall_seconds": 1.0,
+        "useful_tokens_per_sec": 1000.0,
+    }
+    if marker:
+        result["val_first_token_loss"] = 2.0
+        result["val_doc_first_token_loss_by_document"] = first.tolist()
+    return result
+
+
+def planted(cells: dict, seeds: range, rng) -> dict:
+    """runs[pos][variant][seed] with the planted (early, late, whole-document) effects and per-seed noise."""
+    runs: dict = {}
+    for (pos, variant), (d_early, d_late, d_doc, noise) in cells.items():
+        for seed in seeds:
+            base = 4.0 + 0.03 * (seed % 5)  # a seed moves every cell alike
+            documents = base + d_doc + np.linspace(-0.5, 0.5, 40) + noise * rng.normal(0, 0.05, 40)
+            e, late = base + d_early + noise * rng.normal(0, 0.04), base + d_late + noise * rng.normal(0, 0.01)
+            runs.setdefault(pos, {}).setdefault(variant, {})[seed] = fake_result(
+                e, late, documents, variant != "no_bos"
+            )
+    return runs
+
+
+STUDY = plan.Study(late_band=[256, 1024])
+OFFSETS = [1, 64, 512]
+
+
+@pytest.fixture(scope="module")
+def decided():
+    rng = np.random.default_rng(5)
+    rung3 = planted(
+        {
+            ("learned", "reference"): (0, 0, 0, 0),
+            ("learned", "no_doc_mask"): (0.5, 0.1, 0.1, 1),
+            ("learned", "no_reset_position_ids"): (0.06, 0.001, 0.01, 1),
+            ("rope", "reference"): (0, 0, 0, 0),
+            ("rope", "no_doc_mask"): (0.02, 0.0, 0.0, 1),
+        },
+        range(400, 408),
+        rng,
+    )
+    rung3["rope"]["no_reset_position_ids"] = {400: fake_result(4.0 + 1e-3, 4.0 - 4e-3, np.linspace(3.5, 4.5, 40))}
+    rung2 = planted(
+        {("learned", "reference"): (0, 0, 0, 0), ("learned", "no_doc_mask"): (0.3, 0.05, 0.05, 1)}, range(500, 516), rng
+    )
+    rung2["learned"]["no_bos"] = planted({("learned", "no_bos"): (0.0, 0.0, 0.0, 1)}, range(500, 516), rng)["learned"][
+        "no_bos"
+    ]
+    rounding = {"rope": {"reference": {400: fake_result(4.0 + 5e-4, 4.0 + 1e-3, np.linspace(3.5, 4.5, 40) + 1e-3)}}}
+    rounding["rope"]["no_reset_position_ids"] = {400: fake_result(4.0 - 5e-4, 4.0, np.linspace(3.5, 4.5, 40))}
+    read = {name: (STUDY, runs, OFFSETS) for name, runs in (("rung3", rung3), ("rung2", rung2), ("rounding", rounding))}
+    tests = [
+        confirm.Test("mask, learned", "rung3", "learned", "no_doc_mask", "early", 0.1),
+        confirm.Test("mask, rope", "rung3", "rope", "no_doc_mask", "early", 0.1),
+        confirm.Test("reset, learned", "rung3", "learned", "no_reset_position_ids", "early", 0.05),
+        confirm.Test("marker", "rung2", "learned", "no_bos", "early", 0.05),
+        confirm.Test("growth", "rung3", "learned", "no_doc_mask", "early", 0.1, growth_from="rung2"),
+    ]
+    equivalence = [confirm.Test("reset late", "rung3", "learned", "no_reset_position_ids", "late", 0, margin=0.02)]
+    registration = confirm.Registration(
+        {"rung3": "", "rung2": "", "rounding": ""},
+        tests,
+        equivalence,
+        {"study": "rung3", "pos": "rope", "variant": "no_reset_position_ids", "rounding": "rounding"},
+        bootstrap_resamples=500,
+    )
+    return registration, read, confirm.decide(registration, read)
+
+
+def effects(read, study, pos, variant, endpoint):
+    _, runs, _ = read[study]
+    seeds = sorted(runs[pos][variant])
+    value = {
+        v: [report.endpoints(runs[pos][v][s], STUDY, OFFSETS)[endpoint] for s in seeds] for v in (variant, "reference")
+    }
+    return np.asarray(value[variant]), np.asarray(value["reference"])
+
+
+def test_each_paired_test_is_scipys_paired_t_test_and_signed_rank_test(decided):
+    registration, read, result = decided
+    for test in registration.primary[:4]:
+        variant, reference = effects(read, test.study, test.pos, test.variant, "early")
+        entry = result["primary"][test.name]
+        assert entry["estimate"] == pytest.approx(np.mean(variant - reference))
+        assert entry["p"] == pytest.approx(scipy.stats.ttest_rel(variant, reference).pvalue, rel=1e-6)
+        assert entry["p_rank"] == pytest.approx(scipy.stats.wilcoxon(variant - reference).pvalue)
+        ci = scipy.stats.ttest_rel(variant, reference).confidence_interval(0.95)
+        assert entry["ci95"] == pytest.approx([ci.low, ci.high])
+        whole_variant, whole_reference = effects(read, test.study, test.pos, test.variant, "from_second")
+        assert entry["whole"] == pytest.approx(np.mean(whole_variant - whole_reference))
+        assert entry["percent"] == pytest.approx(100 * entry["estimate"] / np.mean(reference))
+
+
+def test_growth_is_welchs_test_of_the_per_seed_effects(decided):
+    registration, read, result = decided
+    after = np.subtract(*effects(read, "rung3", "learned", "no_doc_mask", "early"))
+    before = np.subtract(*effects(read, "rung2", "learned", "no_doc_mask", "early"))
+    ours = scipy.stats.ttest_ind(after, before, equal_var=False)
+    entry = result["primary"]["growth"]
+    assert entry["estimate"] == pytest.approx(after.mean() - before.mean())
+    assert entry["p"] == pytest.approx(ours.pvalue, rel=1e-6)
+    ci = ours.confidence_interval(0.95)
+    assert entry["ci95"] == pytest.approx([ci.low, ci.high])
+    assert entry["p_rank"] == pytest.approx(scipy.stats.mannwhitneyu(after, before, method="exact").pvalue)
+    assert entry["verdict"] == "grows"  # planted: +0.5 at rung 3 against +0.3 at rung 2
+
+
+def test_the_verdicts_are_holms_step_down_rejections(decided):
+    registration, _, result = decided
+    primary = result["primary"]
+    ordered = sorted(primary, key=lambda name: primary[name]["p"])
+    rejected = set()
+    for i, name in enumerate(ordered):  # Holm (1979): reject while p_(i) <= alpha / (m - i + 1), then stop
+        if primary[name]["p"] > registration.alpha / (len(ordered) - i):
+            break
+        rejected.add(name)
+    assert {name for name, r in primary.items() if r["verdict"] != "unresolved"} == rejected
+    assert "mask, learned" in rejected and "marker" not in rejected and "mask, rope" not in rejected
+    assert primary["mask, learned"]["verdict"] == "hurts"
+
+
+def test_a_rank_test_no_data_could_pass_is_marked_so():
+    results = {
+        "few": {"p": 0.001, "p_rank": 0.25, "smallest_p_rank": 0.25, "estimate": 1.0},
+        "many": {"p": 0.001, "p_rank": 0.0001, "smallest_p_rank": 1e-5, "estimate": 1.0},
+    }
+    confirm.decide_family(results, 0.05, set())
+    assert results["few"]["robust"] is None and results["many"]["robust"] is True
+    # four seeds: the smallest p, 1/8, times a family of 5 cannot fall below 0.05 for anyone
+    results = {f"t{i}": {"p": 0.001, "p_rank": 0.125, "smallest_p_rank": 0.125, "estimate": 1.0} for i in range(5)}
+    confirm.decide_family(results, 0.05, set())
+    assert all(r["robust"] is None and r["verdict"] == "hurts" for r in results.values())
+
+
+def test_equivalence_is_tost_in_a_family_of_its_own(decided):
+    registration, read, result = decided
+    variant, reference = effects(read, "rung3", "learned", "no_reset_position_ids", "late")
+    entry = result["equivalence"]["reset late"]
+    diffs = variant - reference
+    upper = scipy.stats.ttest_1samp(diffs, 0.02, alternative="less").pvalue
+    lower = scipy.stats.ttest_1samp(diffs, -0.02, alternative="greater").pvalue
+    assert entry["p"] == pytest.approx(max(upper, lower), rel=1e-6)
+    assert entry["verdict"] == ("negligible" if max(upper, lower) < 0.05 else "not shown negligible")
+
+
+def test_the_document_bootstrap_collapses_without_document_variation_and_resamples_every_run_alike():
+    documents = np.stack([np.full(30, 4.0 * 49), np.full(30, 49.0)])
+    shifted = np.stack([np.full(30, 4.1 * 49), np.full(30, 49.0)])
+    one = confirm.Cell({0: {}, 1: {}}, {0: {}, 1: {}}, {0: shifted, 1: shifted}, {0: documents, 1: documents})
+    low, high = confirm.bootstrap_interval([one], [1.0], 200)
+    assert low == pytest.approx(0.1) and high == pytest.approx(0.1)
+    # documents that differ: the interval has width, and with weights all 1 a run's loss is its own
+    varied = np.stack([np.linspace(3, 5, 30) * 49, np.full(30, 49.0)])
+    assert confirm.resampled_losses(varied, np.ones((1, 30)))[0] == pytest.approx(4.0)
+    one = confirm.Cell({0: {}}, {0: {}}, {0: varied + np.stack([np.linspace(0, 9.8, 30), np.zeros(30)])}, {0: varied})
+    low, high = confirm.bootstrap_interval([one], [1.0], 500)
+    assert low < 0.1 < high and high - low > 0.02
+
+
+def test_the_invariance_is_read_against_the_rerun_at_another_thread_count(decided):
+    _, _, result = decided
+    early = result["invariance"]["early"]
+    assert early["differences"] == pytest.approx([1e-3, -1e-3]) and early["rounding"] == pytest.approx([5e-4])
+    assert early["verdict"] == "within rounding"  # 1e-3 <= 3 x 5e-4
+    late = result["invariance"]["late"]
+    assert late["differences"] == pytest.approx([-4e-3, -1e-3]) and late["rounding"] == pytest.approx([1e-3])
+    assert late["verdict"] == "beyond rounding"  # 4e-3 > 3 x 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# The registration
+
+
+def registration_text(n_primary: int, study: str = "rung3", extra: str = "") -> str:
+    tests = "".join(
+        f'[[primary]]\nname = "t{i}"\nstudy = "{study}"\npos = "learned"\nvariant = "no_doc_mask"\n'
+        'endpoint = "early"\nplan_effect = 0.1\nplan_sd = 0.05\n'
+        for i in range(n_primary)
+    )
+    return f'{extra}[studies]\nrung3 = "configs/confirm_rung3.toml"\n[invariance]\nstudy = "rung3"\n{tests}'
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (registration_text(6), "the primary family holds 6 tests; register 1 to 5"),
+        (registration_text(0), "the primary family holds 0 tests"),
+        (registration_text(2, study="rung9"), "names study 'rung9'"),
+        (registration_text(1, extra="alpah = 0.05\n"), "unexpected keyword argument 'alpah'"),
+    ],
+)
+def test_a_registration_that_cannot_be_decided_is_refused_in_one_line(tmp_path, capsys, text, words):
+    path = tmp_path / "confirm.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=words):
+        confirm.read_registration(path)
+    assert confirm.main([str(path), "--plan"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and error.count("\n") == 1
+
+
+def test_unknown_options_and_missing_results_are_one_line_errors(tmp_path, capsys):
+    path = tmp_path / "confirm.toml"
+    path.write_text(registration_text(1))
+    assert confirm.main([str(path), "--plna"]) == 1
+    assert "unknown option(s) plna" in capsys.readouterr().err
+    assert confirm.main([str(path), f"--studies_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}"]) == 1
+    error = capsys.readouterr().err
+    assert "confirm_rung3/results.json not found" in error and not (tmp_path / "out").exists()
+
+
+def test_a_study_decided_elsewhere_reports_effects_without_verdicts(decided):
+    _, read, _ = decided
+    _, runs, _ = read["rung3"]
+    summary = report.summarise(runs, plan.Study(late_band=[256, 1024], decided_in="configs/confirm.toml"), OFFSETS)
+    mask = summary["learned/no_doc_mask"]["endpoints"]["early"]
+    assert mask["verdict"] == "decided in configs/confirm.toml" and "hurts" not in report.describe_effect(mask)
+    reset = summary["rope/no_reset_position_ids"]["endpoints"]["early"]
+    assert report.describe_effect(reset).startswith("decided in configs/confirm.toml (max")
+    # on its own, the same study decides: the mask's planted +0.5 hurts
+    assert report.summarise(runs, STUDY, OFFSETS)["learned/no_doc_mask"]["endpoints"]["early"]["verdict"] == "hurts"
