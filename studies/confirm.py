@@ -76,6 +76,7 @@ class Registration:
     power: float = 0.8
     invariance_factor: float = 3.0
     bootstrap_resamples: int = 2000
+    most_seeds: dict[str, int] = field(default_factory=dict)  # a study's budget: the seeds it may run at most
     notes: dict = field(default_factory=dict)
 
 
@@ -161,6 +162,20 @@ def plan_rows(registration: Registration) -> list[list]:
     return rows
 
 
+def sized_seeds(registration: Registration) -> dict[str, int]:
+    """The registered rule: each study runs the fewest seeds that give each of its paired tests the registered
+    power at Holm's strictest level, and at most its budget (most_seeds)."""
+    level = registration.alpha / len(registration.primary)
+    sizes = {}
+    for test in registration.primary:
+        if test.growth_from:
+            continue  # it takes the seeds of the two studies
+        sd, _ = planned_sd(registration, test)
+        needed = stats.seeds_for_power(test.plan_effect, sd, level, registration.power) or math.inf
+        sizes[test.study] = max(sizes.get(test.study, 2), needed)
+    return {name: min(n, registration.most_seeds.get(name, math.inf)) for name, n in sizes.items()}
+
+
 def plan_lines(registration: Registration) -> list[str]:
     level = registration.alpha / len(registration.primary)
     header = [
@@ -178,6 +193,9 @@ def plan_lines(registration: Registration) -> list[str]:
         "(Holm's first step, two-sided; later steps test at a higher level):",
         "",
         *markdown_table(header, plan_rows(registration)),
+        "",
+        "Seeds by the registered rule (the fewest with that power for each paired test, within the budget): "
+        + ", ".join(f"{name} {n}" for name, n in sized_seeds(registration).items()),
     ]
 
 

@@ -160,9 +160,7 @@ def paired_power(effect: float, sd: float, n: int, alpha: float) -> float:
     t with n - 1 degrees of freedom and noncentrality effect sqrt(n) / sd."""
     if n < 2:
         return 0.0
-    df, shift = n - 1, effect * math.sqrt(n) / sd
-    critical = t_quantile(1 - alpha / 2, df)
-    return float(scipy.stats.nct.sf(critical, df, shift) + scipy.stats.nct.cdf(-critical, df, shift))
+    return two_sided_power(n - 1, effect * math.sqrt(n) / sd, alpha)
 
 
 def welch_df(var_a: float, n_a: int, var_b: float, n_b: int) -> float:
@@ -175,9 +173,17 @@ def welch_power(effect: float, sd_a: float, n_a: int, sd_b: float, n_b: int, alp
     """Power of the two-sided Welch test of two independent groups' means (the usual noncentral-t
     approximation, with the planned sds' Welch-Satterthwaite degrees of freedom)."""
     df = welch_df(sd_a**2, n_a, sd_b**2, n_b)
-    shift = effect / math.sqrt(sd_a**2 / n_a + sd_b**2 / n_b)
+    return two_sided_power(df, effect / math.sqrt(sd_a**2 / n_a + sd_b**2 / n_b), alpha)
+
+
+def two_sided_power(df: float, shift: float, alpha: float) -> float:
+    """P(|T| > t crit) for T noncentral t (df, shift). Each tail as an upper tail: scipy's lower tail of a far
+    shifted noncentral t can be NaN where its mirror image is a clean 0."""
     critical = t_quantile(1 - alpha / 2, df)
-    return float(scipy.stats.nct.sf(critical, df, shift) + scipy.stats.nct.cdf(-critical, df, shift))
+    power = scipy.stats.nct.sf(critical, df, shift) + scipy.stats.nct.sf(critical, df, -shift)
+    if not math.isfinite(power):
+        raise ValueError(f"power not computable for df={df}, shift={shift}")
+    return float(min(1.0, power))
 
 
 def seeds_for_power(effect: float, sd: float, alpha: float, power: float, most: int = 200) -> int | None:

@@ -32,6 +32,12 @@ def test_paired_power_gives_the_published_sample_size():
     assert stats.paired_power(0.5, 1.0, 33, 0.05) < 0.8
 
 
+def test_power_stays_a_number_far_out_in_the_tails():
+    # scipy's lower tail of a far-shifted noncentral t is NaN (nct.cdf(-2, 40, 30)); its mirror image is 0
+    assert stats.paired_power(0.1, 0.001, 41, 0.01) == 1.0 and stats.paired_power(1e-9, 1.0, 41, 0.01) < 0.011
+    assert stats.welch_power(1.0, 0.01, 16, 0.01, 8, 0.01) == 1.0
+
+
 def test_welch_power_is_the_rejection_rate_of_welchs_test():
     rng = np.random.default_rng(2)
     a = rng.normal(0.4, 0.09, size=(20000, 16))
@@ -306,3 +312,22 @@ def test_a_study_decided_elsewhere_reports_effects_without_verdicts(decided):
     assert report.describe_effect(reset).startswith("decided in configs/confirm.toml (max")
     # on its own, the same study decides: the mask's planted +0.5 hurts
     assert report.summarise(runs, STUDY, OFFSETS)["learned/no_doc_mask"]["endpoints"]["early"]["verdict"] == "hurts"
+
+
+def test_seeds_are_sized_by_the_registered_rule_within_the_budget():
+    def paired(name, study, effect, sd):
+        return confirm.Test(name, study, "learned", "no_doc_mask", "early", effect, plan_sd=sd)
+
+    tests = [
+        paired("large", "rung3", 0.1, 0.02),  # 4 seeds give power 0.8 at 0.0125
+        paired("small", "rung3", 0.05, 0.05),  # 15 would: the budget's 8 is all it gets
+        paired("marker", "rung2", 0.1, 0.03),
+        confirm.Test("growth", "rung3", "learned", "no_doc_mask", "early", 0.1, plan_sd=9.0, growth_from="rung2"),
+    ]
+    registration = confirm.Registration({"rung3": "", "rung2": ""}, tests, [], {}, most_seeds={"rung3": 8})
+    level = 0.05 / 4
+    assert stats.paired_power(0.1, 0.03, 5, level) >= 0.8 > stats.paired_power(0.1, 0.03, 4, level)
+    assert stats.paired_power(0.05, 0.05, 8, level) < 0.8
+    assert confirm.sized_seeds(registration) == {"rung3": 8, "rung2": 5}
+    registration.most_seeds = {"rung3": 20}
+    assert confirm.sized_seeds(registration)["rung3"] == stats.seeds_for_power(0.05, 0.05, level, 0.8) > 8
