@@ -1,9 +1,15 @@
 """The confirmatory study's planning and decisions (studies/confirm.py, and the power functions of
 studies/stats.py), pinned against scipy's own tests, simulation and the published G*Power value."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import scipy.stats
+from conftest import ROOT
 
 from errors import ConfigError
 from studies import confirm, plan, report, stats
@@ -331,3 +337,74 @@ def test_seeds_are_sized_by_the_registered_rule_within_the_budget():
     assert confirm.sized_seeds(registration) == {"rung3": 8, "rung2": 5}
     registration.most_seeds = {"rung3": 20}
     assert confirm.sized_seeds(registration)["rung3"] == stats.seeds_for_power(0.05, 0.05, level, 0.8) > 8
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end: three tiny studies, one of them run by two processes at once, then the decisions
+
+
+def tiny_study(tmp_path: Path, corpus: Path, name: str, table: str, steps: int = 2, threads: int = 1) -> Path:
+    config = tmp_path / f"{name}.toml"
+    config.write_text(
+        f'dataset = "{corpus}"\ndata_dir = "{tmp_path / "data"}"\ntokenizer_vocab_size = 320\nseq_len = 64\n'
+        f"n_layer = 1\nn_head = 2\nn_embd = 32\nbatch_size = 4\nmax_iters = {steps}\neval_interval = {steps}\n"
+        "eval_tokens = 512\nlog_interval = 1\nwarmup_iters = 1\nbos = true\n"
+        f'[ablate]\nout_dir = "{tmp_path / name}"\ndecided_in = "confirm.toml"\nthreads = {threads}\nprobe_docs = 8\n'
+        f"probe_offsets = [16]\nlate_band = [32, 64]\n{table}\n"
+    )
+    return config
+
+
+@pytest.mark.slow
+def test_three_tiny_studies_are_decided_together(tiny_corpus, tmp_path):
+    longer = tiny_study(
+        tmp_path, tiny_corpus, "longer",
+        'seeds = 2\ninvariance_seeds = 1\nvariants = ["reference", "no_doc_mask", "no_reset_position_ids"]',
+        steps=4,
+    )  # fmt: skip
+    shorter = tiny_study(tmp_path, tiny_corpus, "shorter", 'first_seed = 10\nseeds = 2\npos_embs = ["learned"]\n'
+                         'variants = ["reference", "no_doc_mask", "no_bos"]')  # fmt: skip
+    rounding = tiny_study(
+        tmp_path, tiny_corpus, "rounding",
+        'seeds = 1\ninvariance_seeds = 1\npos_embs = ["rope"]\n'
+        'variants = ["reference", "no_reset_position_ids"]',
+        steps=4,
+        threads=2,
+    )  # fmt: skip
+    command = [sys.executable, "-m", "studies.ablate"]
+    subprocess.run(
+        [*command, str(shorter)], cwd=ROOT, check=True, capture_output=True, timeout=600
+    )  # prepares the data
+    both = [subprocess.Popen([*command, str(longer)], cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in both]
+    assert [p.returncode for p in both] == [0, 0]
+    trained = [o.count("=== study:") for o in outputs]
+    assert sum(trained) == 11 and min(trained) >= 1  # 11 runs, each trained once, by one process or the other
+    subprocess.run([*command, str(rounding)], cwd=ROOT, check=True, capture_output=True, timeout=600)
+    registration = tmp_path / "confirm.toml"
+    registration.write_text(
+        f'[studies]\nlonger = "{longer}"\nshorter = "{shorter}"\nrounding = "{rounding}"\n'
+        '[invariance]\nstudy = "longer"\npos = "rope"\nvariant = "no_reset_position_ids"\nrounding = "rounding"\n'
+        + "".join(
+            f'[[primary]]\nname = "{name}"\nstudy = "{study}"\npos = "{pos}"\nvariant = "{variant}"\n'
+            f'endpoint = "early"\nplan_effect = 0.1\nplan_sd = 0.1\n{extra}'
+            for name, study, pos, variant, extra in [
+                ("mask", "longer", "learned", "no_doc_mask", ""),
+                ("reset", "longer", "learned", "no_reset_position_ids", ""),
+                ("marker", "shorter", "learned", "no_bos", ""),
+                ("growth", "longer", "learned", "no_doc_mask", 'growth_from = "shorter"\nplan_sd_before = 0.1\n'),
+            ]
+        )
+        + '[[equivalence]]\nname = "reset late"\nstudy = "longer"\npos = "learned"\nvariant = "no_reset_position_ids"\n'
+        'endpoint = "late"\nplan_effect = 0.0\nmargin = 0.02\n'
+    )
+    assert confirm.main([str(registration), f"--out_dir={tmp_path / 'decided'}"]) == 0
+    decided = json.loads((tmp_path / "decided" / "confirm.json").read_text())
+    assert list(decided["primary"]) == ["mask", "reset", "marker", "growth"]
+    assert decided["primary"]["growth"]["seeds"] == "2 + 2" and decided["primary"]["mask"]["seeds"] == 2
+    assert all(r["robust"] is None for r in decided["primary"].values())  # 2 seeds: no rank test can pass
+    assert len(decided["invariance"]["early"]["differences"]) == 2 and decided["equivalence"]["reset late"]
+    markdown = (tmp_path / "decided" / "confirm.md").read_text()
+    assert "| marker | 2 |" in markdown and "cannot pass" in markdown
+    results = json.loads((tmp_path / "longer" / "results.json").read_text())
+    assert "decided in confirm.toml" in json.dumps(results["summary"]["learned/no_doc_mask"])
