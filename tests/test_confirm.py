@@ -1,6 +1,7 @@
 """The confirmatory study's planning and decisions (studies/confirm.py, and the power functions of
 studies/stats.py), pinned against scipy's own tests, simulation and the published G*Power value."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -408,3 +409,23 @@ def test_three_tiny_studies_are_decided_together(tiny_corpus, tmp_path):
     assert "| marker | 2 |" in markdown and "cannot pass" in markdown
     results = json.loads((tmp_path / "longer" / "results.json").read_text())
     assert "decided in confirm.toml" in json.dumps(results["summary"]["learned/no_doc_mask"])
+
+
+def test_the_registered_studies_train_alike_where_the_registration_says_they_do():
+    rung3, base3 = plan.parse_args(["configs/confirm_rung3.toml"])
+    rung2, base2 = plan.parse_args(["configs/confirm_rung2.toml"])
+    rounding, base_rounding = plan.parse_args(["configs/confirm_rounding.toml"])
+    assert base_rounding == base3 and (rounding.threads, rung3.threads) == (2, 1)
+    assert rounding.first_seed == rung3.first_seed  # the same runs, another thread count
+    assert dataclasses.replace(base2, max_iters=4500, eval_interval=1500) == base3
+    seeds3 = {s for seeds in plan.seeds_of_cells(rung3).values() for s in seeds}
+    seeds2 = {s for seeds in plan.seeds_of_cells(rung2).values() for s in seeds}
+    assert not seeds3 & seeds2 and min(seeds3 | seeds2) >= 400 and max(seeds3 | seeds2) < 1300  # the pilot's: 1300+
+    for study in (rung3, rung2, rounding):
+        assert study.decided_in == "configs/confirm.toml"
+    registration = confirm.read_registration(Path("configs/confirm.toml"))
+    assert len(registration.primary) <= 5 and set(registration.studies.values()) == {
+        "configs/confirm_rung3.toml",
+        "configs/confirm_rung2.toml",
+        "configs/confirm_rounding.toml",
+    }
