@@ -86,8 +86,9 @@ def replace_atomically(
     path: Path, write: Callable[[Path], None], failed: str = "could not write {path} ({reason})"
 ) -> None:
     """write(temporary path), then rename it over `path`: an interrupt or a full disk leaves the previous file,
-    never half of one; a failure is SaveFailed(`failed`). The one way results are written."""
-    tmp = path.with_name(path.name + ".tmp")
+    never half of one; a failure is SaveFailed(`failed`). The one way results are written. The temporary name
+    is the process's own: two processes writing the same file (a study's report) cannot rename each other's."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     for target in (path, tmp):  # a rename would replace a device, a FIFO or a folder's entry: never do that
         if (target.exists() or target.is_symlink()) and not target.is_file():
             raise SaveFailed(failed.format(path=path, reason=f"{target} exists and is not a regular file"))

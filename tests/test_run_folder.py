@@ -111,15 +111,16 @@ def test_a_result_file_never_replaces_a_device_a_fifo_or_a_folder(tmp_path):
 
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    (tmp_path / "ckpt.pt.tmp").mkdir()  # a folder where the temporary file goes
+    (tmp_path / f"ckpt.pt.tmp-{os.getpid()}").mkdir()  # a folder where this process's temporary file goes
     for path in (fifo, Path("/dev/null"), tmp_path / "ckpt.pt"):
         with pytest.raises(SaveFailed, match="is not a regular file"):
             write_atomically(path, "{}")
-    assert fifo.is_fifo() and Path("/dev/null").is_char_device() and (tmp_path / "ckpt.pt.tmp").is_dir()
+    assert fifo.is_fifo() and Path("/dev/null").is_char_device() and (tmp_path / f"ckpt.pt.tmp-{os.getpid()}").is_dir()
     assert not (tmp_path / "ckpt.pt").exists()
     write_atomically(tmp_path / "result.json", "{}")  # absent, then a regular file: written, replaced
     write_atomically(tmp_path / "result.json", "[]")
     assert (tmp_path / "result.json").read_text() == "[]"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["result.json"]  # no temporary file left
 
 
 @pytest.mark.slow
