@@ -85,9 +85,8 @@ def check_writable_folder(folder: Path, what: str) -> None:
 def replace_atomically(
     path: Path, write: Callable[[Path], None], failed: str = "could not write {path} ({reason})"
 ) -> None:
-    """write(temporary path), then rename it over `path`: an interrupt or a full disk leaves the previous file,
-    never half of one; a failure is SaveFailed(`failed`). The one way results are written. The temporary name
-    is the process's own: two processes writing the same file (a study's report) cannot rename each other's."""
+    """write(this process's temporary file), then rename it over `path`: an interrupt or a full disk leaves the
+    previous file, never half of one; a failure is SaveFailed(`failed`). The one way results are written."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     for target in (path, tmp):  # a rename would replace a device, a FIFO or a folder's entry: never do that
         if (target.exists() or target.is_symlink()) and not target.is_file():
@@ -153,8 +152,10 @@ class RunFiles:
         self.out_dir, self.run_id = out_dir, run_id
         self.staging = out_dir / ".replacing"
         replacing = fresh and enabled and any((out_dir / name).exists() for name in RUN_FILES)
-        if enabled:
-            shutil.rmtree(self.staging, ignore_errors=True)  # a replacement that never got its checkpoint
+        if enabled:  # what a run killed mid-write left: a replacement without its checkpoint, temporary files
+            shutil.rmtree(self.staging, ignore_errors=True)
+            for stale in [p for name in RUN_FILES for p in out_dir.glob(f"{name}.tmp-*")]:
+                stale.unlink()
         if replacing:
             self.staging.mkdir()
         self.folder = self.staging if replacing else out_dir
@@ -165,9 +166,8 @@ class RunFiles:
     def promote(self) -> None:
         """Once the first checkpoint is written: this run's files replace the old run's."""
         if self.folder == self.staging:
-            for name in ("config.json", "metrics.jsonl", "ckpt.pt"):
-                if (self.staging / name).exists():
-                    os.replace(self.staging / name, self.out_dir / name)
+            for name in [n for n in ("config.json", "metrics.jsonl", "ckpt.pt") if (self.staging / n).exists()]:
+                os.replace(self.staging / name, self.out_dir / name)  # the checkpoint last
             self.folder = self.out_dir
             shutil.rmtree(self.staging, ignore_errors=True)
 

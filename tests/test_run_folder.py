@@ -306,3 +306,10 @@ def test_damaged_run_folders_are_one_line(reference_run, tmp_path):
     with pytest.raises(ConfigError, match=r"\.lock cannot serve as the run's lock"):
         train.train(parse_config(args(out, max_iters=6) + ["--resume=true"]))
     tried("damaged run folder", 2)
+
+
+def test_a_run_starting_removes_the_temporary_files_a_killed_run_left(tmp_path):
+    for name in ("ckpt.pt.tmp-4242", "metrics.jsonl.tmp-17", "notes.txt.tmp-4242"):
+        (tmp_path / name).write_bytes(b"half")
+    RunFiles(tmp_path, "run", fresh=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt.tmp-4242"]  # not a run's file: kept
