@@ -360,8 +360,32 @@ def decide_family(results: dict[str, dict], alpha: float, growth: set[str]) -> N
         r["robust"] = bool(adjusted_rank[name] < alpha) if r["rank_reachable"] else None
 
 
+def check_one_machine(read: dict) -> None:
+    """Every run of every study on one CPU model, and each study's runs on its own thread count: a difference
+    in either changes the order of float sums, which training amplifies (a seed whose runs span two machines is
+    trained again on the study's)."""
+    machines: dict[str, list[str]] = {}
+    for name, (study, runs, _) in read.items():
+        for pos, variants in runs.items():
+            for variant, by_seed in variants.items():
+                for seed, result in by_seed.items():
+                    where = f"{name}: {pos}/{variant}/seed{seed}"
+                    machines.setdefault(result.get("trained_on", "unknown"), []).append(where)
+                    if study.threads and result.get("threads") != study.threads:
+                        raise ConfigError(
+                            f"{where} ran on {result.get('threads')} threads, not the study's {study.threads}"
+                        )
+    if len(machines) > 1:
+        fewest = min(machines, key=lambda m: len(machines[m]))
+        raise ConfigError(
+            f"the runs were trained on {len(machines)} machines ({', '.join(machines)}); "
+            f"train again on the study's machine: {', '.join(machines[fewest])} ({fewest})"
+        )
+
+
 def decide(registration: Registration, read: dict) -> dict:
     """Every registered decision, from the studies' runs (`read`: study name -> read_study's answer)."""
+    check_one_machine(read)
     primary = {}
     for test in registration.primary:
         after = cell(read[test.study], test.pos, test.variant)

@@ -429,3 +429,19 @@ def test_the_registered_studies_train_alike_where_the_registration_says_they_do(
         "configs/confirm_rung2.toml",
         "configs/confirm_rounding.toml",
     }
+
+
+def test_runs_from_another_machine_or_thread_count_are_refused_by_name(decided):
+    registration, read, _ = decided
+    one = {name: (study, {p: {v: dict(s) for v, s in kinds.items()} for p, kinds in runs.items()}, offsets)
+           for name, (study, runs, offsets) in read.items()}  # fmt: skip
+    moved = dict(one["rung3"][1]["learned"]["no_doc_mask"][401], trained_on="CPU: Intel Xeon, 2 cores")
+    one["rung3"][1]["learned"]["no_doc_mask"][401] = moved
+    with pytest.raises(ConfigError, match=r"2 machines .*rung3: learned/no_doc_mask/seed401 \(CPU: Intel Xeon"):
+        confirm.decide(registration, one)
+    for by_seed in (s for kinds in one["rung3"][1].values() for s in kinds.values()):
+        by_seed.update({seed: dict(result, threads=1) for seed, result in by_seed.items()})
+    one["rung3"][1]["learned"]["no_doc_mask"][401] = dict(moved, trained_on="unknown", threads=2)
+    one["rung3"] = (dataclasses.replace(STUDY, threads=1), *one["rung3"][1:])
+    with pytest.raises(ConfigError, match="^rung3: learned/no_doc_mask/seed401 ran on 2 threads, not the study's 1$"):
+        confirm.decide(registration, one)
