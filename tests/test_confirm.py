@@ -380,7 +380,9 @@ def test_three_tiny_studies_are_decided_together(tiny_corpus, tmp_path):
     outputs = [p.communicate(timeout=600)[0] for p in both]
     assert [p.returncode for p in both] == [0, 0]
     trained = [o.count("=== study:") for o in outputs]
-    assert sum(trained) == 11 and min(trained) >= 1  # 11 runs, each trained once, by one process or the other
+    # 11 runs, each trained once, by one process or the other (how they split depends on the machine's timing;
+    # test_ablate.py pins the sharing itself with a held lock)
+    assert sum(trained) == 11
     subprocess.run([*command, str(rounding)], cwd=ROOT, check=True, capture_output=True, timeout=600)
     registration = tmp_path / "confirm.toml"
     registration.write_text(
