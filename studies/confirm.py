@@ -100,6 +100,14 @@ def read_registration(path: Path) -> Registration:
             raise ConfigError(
                 f"{path}: test {test.name!r}: endpoint {test.endpoint!r} is not one of {DIFFERENCE_ENDPOINTS}"
             )
+        numbers = {k: getattr(test, k) for k in ("plan_effect", "plan_sd", "plan_sd_before", "margin")}
+        if any(isinstance(v, bool) or not isinstance(v, int | float) or v < 0 for v in numbers.values()):
+            raise ConfigError(f"{path}: test {test.name!r}: {numbers} must be numbers, 0 or more")
+    where = registration.invariance
+    if set(where) != {"study", "pos", "variant", "rounding"} or not {where["study"], where["rounding"]} <= set(
+        registration.studies
+    ):
+        raise ConfigError(f"{path}: [invariance] names a study, pos, variant and its rounding study, got {where}")
     return registration
 
 

@@ -277,7 +277,8 @@ def registration_text(n_primary: int, study: str = "rung3", extra: str = "") -> 
         'endpoint = "early"\nplan_effect = 0.1\nplan_sd = 0.05\n'
         for i in range(n_primary)
     )
-    return f'{extra}[studies]\nrung3 = "configs/confirm_rung3.toml"\n[invariance]\nstudy = "rung3"\n{tests}'
+    invariance = 'study = "rung3"\npos = "rope"\nvariant = "no_reset_position_ids"\nrounding = "rung3"\n'
+    return f'{extra}[studies]\nrung3 = "configs/confirm_rung3.toml"\n[invariance]\n{invariance}{tests}'
 
 
 @pytest.mark.parametrize(
@@ -287,6 +288,9 @@ def registration_text(n_primary: int, study: str = "rung3", extra: str = "") -> 
         (registration_text(0), "the primary family holds 0 tests"),
         (registration_text(2, study="rung9"), "names study 'rung9'"),
         (registration_text(1, extra="alpah = 0.05\n"), "unexpected keyword argument 'alpah'"),
+        (registration_text(1).replace("plan_effect = 0.1", 'plan_effect = "big"'), "must be numbers, 0 or more"),
+        (registration_text(1).replace("plan_sd = 0.05", "plan_sd = -1"), "must be numbers, 0 or more"),
+        (registration_text(1).replace('rounding = "rung3"', 'rounding = "r9"'), "and its rounding study, got"),
     ],
 )
 def test_a_registration_that_cannot_be_decided_is_refused_in_one_line(tmp_path, capsys, text, words):
