@@ -22,7 +22,8 @@ reference's loss, and a bootstrap over the validation documents of that whole-do
 held fixed: how much the choice of documents moves it).
 
 With --plan it reads no results: for each test, the seeds each cell runs (from the studies' configs), the
-planned effect and spread (the registration's, or the pilot's spread bounded above), and the power.
+planned effect and spread (the registration's, or the pilot's spread bounded above), the power, the smallest
+effect found with the registered power, and the seeds the registered rule gives each study.
 Written to --out_dir (out/confirm unless given): confirm.md and confirm.json.
 """
 
