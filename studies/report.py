@@ -289,6 +289,14 @@ def decision_rule_lines(summary: dict, study: Study, offsets: list[int]) -> list
         "",
         "## Pre-registered endpoints and decision rules",
         "",
+        *(
+            [
+                f"- decided in {study.decided_in}, with other studies' tests: the verdicts and the invariance rule "
+                "below are what this study would apply alone, and its tables give effects and intervals only."
+            ]
+            if study.decided_in
+            else []
+        ),
         primary_rule(study),
         f"- verdicts at family-wise α = {stats.ALPHA} (Holm, over the {n_primary} primary tests, once for "
         "difference and once for equivalence): `negligible` when the equivalence test (TOST) rejects "

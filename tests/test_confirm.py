@@ -321,6 +321,9 @@ def test_a_study_decided_elsewhere_reports_effects_without_verdicts(decided):
     assert mask["verdict"] == "decided in configs/confirm.toml" and "hurts" not in report.describe_effect(mask)
     reset = summary["rope/no_reset_position_ids"]["endpoints"]["early"]
     assert report.describe_effect(reset).startswith("decided in configs/confirm.toml (max")
+    rules = report.decision_rule_lines(summary, plan.Study(late_band=[256, 1024], decided_in="x.toml"), OFFSETS)
+    assert rules[3].startswith("- decided in x.toml, with other studies' tests")
+    assert not report.decision_rule_lines(summary, STUDY, OFFSETS)[3].startswith("- decided in")
     # on its own, the same study decides: the mask's planted +0.5 hurts
     assert report.summarise(runs, STUDY, OFFSETS)["learned/no_doc_mask"]["endpoints"]["early"]["verdict"] == "hurts"
 
