@@ -89,6 +89,12 @@ def read_registration(path: Path) -> Registration:
         registration = Registration(**values, **tests)
     except TypeError as e:
         raise ConfigError(f"{path}: {e} (see python -m studies.confirm --help)") from None
+    tables = {"studies": registration.studies, "invariance": registration.invariance, "notes": registration.notes}
+    for name, table in {**tables, "most_seeds": registration.most_seeds}.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: {name} must be a table ([{name}] or {name} = {{ ... }}), got {table!r}")
+    if not all(isinstance(v, str) for table in tables.values() for v in table.values()):
+        raise ConfigError(f"{path}: [studies], [invariance] and [notes] hold text values only")
     if not 1 <= len(registration.primary) <= 5:
         raise ConfigError(f"{path}: the primary family holds {len(registration.primary)} tests; register 1 to 5")
     for test in registration.primary + registration.equivalence:

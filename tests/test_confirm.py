@@ -291,6 +291,14 @@ def registration_text(n_primary: int, study: str = "rung3", extra: str = "") -> 
         (registration_text(1).replace("plan_effect = 0.1", 'plan_effect = "big"'), "must be numbers, 0 or more"),
         (registration_text(1).replace("plan_sd = 0.05", "plan_sd = -1"), "must be numbers, 0 or more"),
         (registration_text(1).replace('rounding = "rung3"', 'rounding = "r9"'), "and its rounding study, got"),
+        (
+            registration_text(1, extra='invariance = "rung3"\n').replace(
+                '[invariance]\nstudy = "rung3"\npos = "rope"\nvariant = "no_reset_position_ids"\nrounding = "rung3"\n',
+                "",
+            ),
+            "invariance must be a table",
+        ),
+        (registration_text(1).replace('rung3 = "configs/confirm_rung3.toml"', "rung3 = 3"), "hold text values only"),
     ],
 )
 def test_a_registration_that_cannot_be_decided_is_refused_in_one_line(tmp_path, capsys, text, words):

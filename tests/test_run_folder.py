@@ -313,3 +313,14 @@ def test_a_run_starting_removes_the_temporary_files_a_killed_run_left(tmp_path):
         (tmp_path / name).write_bytes(b"half")
     RunFiles(tmp_path, "run", fresh=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt.tmp-4242"]  # not a run's file: kept
+
+
+def test_a_write_leaves_another_writers_temporary_file_alone(tmp_path):
+    """Two processes writing one file (a study's report) each go through a temporary file of their own: one
+    never renames or truncates the other's, whatever name that one chose."""
+    for name in ("result.json.tmp", "result.json.tmp-1"):
+        (tmp_path / name).write_text("another process, mid-write")
+    write_atomically(tmp_path / "result.json", "{}")
+    assert (tmp_path / "result.json").read_text() == "{}"
+    for name in ("result.json.tmp", "result.json.tmp-1"):
+        assert (tmp_path / name).read_text() == "another process, mid-write"
