@@ -58,6 +58,10 @@ def packing_statistics(documents: Documents, rows: Rows, seq_len: int, max_rows:
     }
 
 
+def plural(count: int, noun: str) -> str:
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
+
+
 def describe_packing(packing: str, stats: dict) -> str:
     return (
         f"packing={packing}: {stats['rows']:,} rows, {stats['documents_per_row']:.2f} documents a row, "
@@ -66,8 +70,8 @@ def describe_packing(packing: str, stats: dict) -> str:
         f"the row, {stats['tokens_seeing_another_document_without_the_mask']:.1%} that could see another "
         "document without the mask"
         + (
-            f"; {stats['rows_left_out_each_epoch']:,} rows left out of each epoch (its last, partial global batch; "
-            "each epoch's shuffle leaves out others)"
+            f"; {plural(stats['rows_left_out_each_epoch'], 'row')} left out of each epoch (its last, partial "
+            "global batch; each epoch's shuffle leaves out others)"
             if stats.get("rows_left_out_each_epoch")
             else ""
         )

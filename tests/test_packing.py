@@ -371,7 +371,10 @@ def test_each_epoch_leaves_out_its_last_partial_global_batch_and_the_statistics_
         assert (batches.epoch, batches.cursor) == (1, batch_size * world_size)  # the remainder was never served
         stats = batches_statistics(batches)
         assert stats["rows_left_out_each_epoch"] == left_out
-        assert ("rows left out of each epoch" in describe_packing("concat", stats)) == (left_out > 0)
+        said = f"{left_out} rows left out of each epoch" if left_out else "left out"
+        assert (said in describe_packing("concat", stats)) == (left_out > 0)
+    one_left = batches_statistics(PackedBatches(stream, eot, 8, 13, seed=3))
+    assert "; 1 row left out of each epoch" in describe_packing("concat", one_left)
     assert batches_statistics(PackedBatches(stream, eot, 8, 4, shuffle=False))["rows_left_out_each_epoch"] == 0
 
 
