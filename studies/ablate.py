@@ -232,7 +232,10 @@ def hardware() -> str:
         return torch.cuda.get_device_name()
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     names = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
-    return f"CPU: {names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    model = names[0] if names else platform.processor() or platform.machine()
+    # the kernel level too (AVX2, AVX512, ...): float rounding differs between kernels, and VMs reported alike
+    # ("AMD EPYC, 2 cores") ended the quickstart 0.010 apart
+    return f"CPU: {model}, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()} kernels"
 
 
 def environment(command: list[str]) -> dict:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import ROOT
 
 import cli
@@ -661,3 +662,15 @@ def test_a_run_the_other_process_left_unfinished_is_resumed_by_the_one_waiting(t
     assert ablate.run_one(cfg, plan.Study(), {}, [1], wait=False) is None
     threading.Timer(0.3, os.close, [other]).start()  # it stops without a result
     assert ablate.run_one(cfg, plan.Study(), {}, [1], wait=True) == {"val_doc_loss": 3.0}
+
+
+def test_the_machine_a_run_records_tells_apart_cpus_that_share_a_model_name(monkeypatch):
+    """CPUs of one model name can run kernels of different levels, which round floats differently; confirm
+    refuses runs of two machines only if the record differs."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the device's name is recorded")
+    recorded = {}
+    for level in ("AVX2", "AVX512"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda level=level: level)
+        recorded[level] = ablate.hardware()
+    assert recorded["AVX2"].endswith("cores, AVX2 kernels") and recorded["AVX512"].endswith("AVX512 kernels")
