@@ -48,6 +48,13 @@ def test_the_shipped_configs_are_the_three_arms_on_both_position_kinds():
     assert "UNTESTED" in (ROOT / "configs" / "compare_gpu.toml").read_text()
 
 
+def test_the_quick_comparison_trains_with_the_confirmatory_studys_recipe():
+    _, quick = plan.parse_args([str(ROOT / "configs" / "compare.toml")])
+    _, registered = plan.parse_args([str(ROOT / "configs" / "confirm_rung3.toml")])
+    assert (quick.lr, quick.min_lr) == (registered.lr, registered.min_lr)
+    assert quick.warmup_iters == round(quick.max_iters * registered.warmup_iters / registered.max_iters)
+
+
 @pytest.mark.slow
 def test_the_command_compares_on_a_tiny_setting(tiny_corpus, tmp_path):
     out = tmp_path / "compare"

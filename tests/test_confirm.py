@@ -446,6 +446,10 @@ def test_the_registered_studies_train_alike_where_the_registration_says_they_do(
         "configs/confirm_rung2.toml",
         "configs/confirm_rounding.toml",
     }
+    _, piloted = plan.parse_args([registration.pilot_config])  # the recipe the pilot chose trains rung 3
+    recipe = ("lr", "min_lr", "warmup_iters", "max_iters", "n_layer", "n_embd", "batch_size", "seq_len", "dataset")
+    assert all(getattr(piloted, key) == getattr(base3, key) for key in recipe)
+    assert confirm.sized_seeds(registration) == {"rung3": rung3.seeds, "rung2": rung2.seeds}  # the power rule
 
 
 def test_runs_from_another_machine_or_thread_count_are_refused_by_name(decided):
