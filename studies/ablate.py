@@ -311,14 +311,11 @@ def train_planned(planned: list[tuple], study: Study, offsets: list[int]) -> dic
     """Every planned run's result, by position kind, variant and seed: trained, or read back when it finished
     before. A run that another process of the same study is training is left to it until the end, then waited
     for: the same command started twice shares the runs between two processes. A line after each run trained
-    gives this process's progress and ETA."""
+    gives the study's progress, and its ETA from the rate at which runs finish, whichever process trains them."""
     runs: dict = {pos: {v: {} for v in study.variants} for pos in study.pos_embs}
-    to_train = sum(1 for *_, cfg, _ in planned if not (Path(cfg.out_dir) / "result.json").exists())
-    # printed here once after every run, so the Progress itself prints nothing: it only keeps the ETA
-    progress = Progress(
-        to_train, lambda p: f"=== study: {p.done:.0f}/{p.total:.0f} runs trained, ETA {p.eta()}", lambda line: None
-    )
-    elsewhere = []
+    finished_before = finished_runs(planned)
+    progress = Progress(len(planned) - finished_before, lambda p: "", lambda line: None)  # only keeps the ETA
+    trained, elsewhere = 0, []
     for i, (pos, variant, seed, cfg, decided) in enumerate(planned):
         fresh = not (Path(cfg.out_dir) / "result.json").exists()
         print(
@@ -330,16 +327,23 @@ def train_planned(planned: list[tuple], study: Study, offsets: list[int]) -> dic
         if result is None:
             print("another process of this study is training it: on to the next run", flush=True)
             elsewhere.append((pos, variant, seed, cfg, decided))
-            progress.total -= 1
             continue
         runs[pos][variant][seed] = result
         if fresh:
-            progress.advance(1)
-            print(progress.show(progress), flush=True)
+            trained += 1
+            progress.done = finished_runs(planned) - finished_before
+            print(
+                f"=== study: {finished_before + progress.done}/{len(planned)} runs finished, {trained} by this "
+                f"process; ETA {progress.eta()}",
+                flush=True,
+            )
     for pos, variant, seed, cfg, decided in elsewhere:
         runs[pos][variant][seed] = run_one(cfg, study, decided, offsets, wait=True)
     return runs
 
+
+def finished_runs(planned: list[tuple]) -> int:
+    return sum((Path(cfg.out_dir) / "result.json").exists() for *_, cfg, _ in planned)
 
 if __name__ == "__main__":
     run_main(main)

@@ -609,17 +609,31 @@ def test_a_study_records_its_data_and_names_the_files_that_differ_at_a_later_sta
         check_data(out, prepared)
 
 
-def test_a_study_prints_its_progress_line_once_after_each_run_trained(tmp_path, capsys, monkeypatch):
-    planned = [("learned", "reference", seed, Config(out_dir=str(tmp_path / f"seed{seed}")), {}) for seed in range(3)]
+def test_a_study_counts_every_process_s_runs_in_its_progress_and_eta(tmp_path, capsys, monkeypatch):
+    planned = [("learned", "reference", seed, Config(out_dir=str(tmp_path / f"seed{seed}")), {}) for seed in range(5)]
     (tmp_path / "seed1").mkdir()
-    (tmp_path / "seed1" / "result.json").write_text("{}")  # finished before: skipped, not counted
-    clock = iter(range(0, 10**6, 60))  # a minute between any two looks at the clock: any rate limit is past
+    (tmp_path / "seed1" / "result.json").write_text("{}")  # finished before: skipped, not counted in the rate
+
+    def train(cfg, study, decided, offsets, wait):
+        finish = [Path(cfg.out_dir)] + ([tmp_path / "seed4"] if cfg.out_dir.endswith("seed0") else [])
+        for folder in finish:  # while seed 0 trains here, another process finishes seed 4
+            folder.mkdir(exist_ok=True)
+            (folder / "result.json").write_text("{}")
+        return {"val_doc_loss": 1.0}
+
+    clock = iter(range(0, 10**6, 60))  # a minute between any two looks at the clock
     monkeypatch.setattr(cli.time, "time", lambda: next(clock))
-    monkeypatch.setattr(ablate, "run_one", lambda cfg, study, decided, offsets, wait: {"val_doc_loss": 1.0})
+    monkeypatch.setattr(ablate, "run_one", train)
     runs = ablate.train_planned(planned, plan.Study(variants=["reference"], pos_embs=["learned"]), [1])
-    progress = [line.split(", ETA")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("=== study")]
-    assert progress == ["=== study: 1/2 runs trained", "=== study: 2/2 runs trained"]  # once each, piped or not
-    assert sorted(runs["learned"]["reference"]) == [0, 1, 2]
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("=== study")]
+    # after seed 0: 3 of 5 finished, 2 of the 4 left at the start in one minute, so 2 more take another minute
+    # (counting only this process's run would say 3 minutes); printed once a run, piped or not
+    assert progress == [
+        "=== study: 3/5 runs finished, 1 by this process; ETA 1m00s",
+        "=== study: 4/5 runs finished, 2 by this process; ETA 0m40s",
+        "=== study: 5/5 runs finished, 3 by this process; ETA 0m00s",
+    ]
+    assert sorted(runs["learned"]["reference"]) == [0, 1, 2, 3, 4]
 
 
 def test_two_processes_of_a_study_share_its_runs_and_wait_for_each_others(tmp_path, capsys, monkeypatch):
