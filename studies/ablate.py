@@ -314,8 +314,14 @@ def train_planned(planned: list[tuple], study: Study, offsets: list[int]) -> dic
     gives the study's progress, and its ETA from the rate at which runs finish, whichever process trains them."""
     runs: dict = {pos: {v: {} for v in study.variants} for pos in study.pos_embs}
     finished_before = finished_runs(planned)
-    progress = Progress(len(planned) - finished_before, lambda p: "", lambda line: None)  # only keeps the ETA
-    trained, elsewhere = 0, []
+    # printed here once after every run, so the Progress itself prints nothing: it only keeps the counts and ETA
+    progress = Progress(
+        len(planned) - finished_before,
+        lambda p: f"=== study: {finished_before + p.done:.0f}/{len(planned)} runs finished, "
+        f"{p.counts['trained']:.0f} by this process; ETA {p.eta()}",
+        lambda line: None,
+    )
+    elsewhere = []
     for i, (pos, variant, seed, cfg, decided) in enumerate(planned):
         fresh = not (Path(cfg.out_dir) / "result.json").exists()
         print(
@@ -330,13 +336,8 @@ def train_planned(planned: list[tuple], study: Study, offsets: list[int]) -> dic
             continue
         runs[pos][variant][seed] = result
         if fresh:
-            trained += 1
-            progress.done = finished_runs(planned) - finished_before
-            print(
-                f"=== study: {finished_before + progress.done}/{len(planned)} runs finished, {trained} by this "
-                f"process; ETA {progress.eta()}",
-                flush=True,
-            )
+            progress.advance(finished_runs(planned) - finished_before - progress.done, trained=1)
+            print(progress.show(progress), flush=True)
     for pos, variant, seed, cfg, decided in elsewhere:
         runs[pos][variant][seed] = run_one(cfg, study, decided, offsets, wait=True)
     return runs
@@ -344,6 +345,7 @@ def train_planned(planned: list[tuple], study: Study, offsets: list[int]) -> dic
 
 def finished_runs(planned: list[tuple]) -> int:
     return sum((Path(cfg.out_dir) / "result.json").exists() for *_, cfg, _ in planned)
+
 
 if __name__ == "__main__":
     run_main(main)

@@ -613,16 +613,18 @@ def test_a_study_counts_every_process_s_runs_in_its_progress_and_eta(tmp_path, c
     planned = [("learned", "reference", seed, Config(out_dir=str(tmp_path / f"seed{seed}")), {}) for seed in range(5)]
     (tmp_path / "seed1").mkdir()
     (tmp_path / "seed1" / "result.json").write_text("{}")  # finished before: skipped, not counted in the rate
+    clock = [0.0]
 
-    def train(cfg, study, decided, offsets, wait):
-        finish = [Path(cfg.out_dir)] + ([tmp_path / "seed4"] if cfg.out_dir.endswith("seed0") else [])
-        for folder in finish:  # while seed 0 trains here, another process finishes seed 4
-            folder.mkdir(exist_ok=True)
-            (folder / "result.json").write_text("{}")
+    def train(cfg, study, decided, offsets, wait):  # a minute a run trained; a finished one is read back at once
+        if not (Path(cfg.out_dir) / "result.json").exists():
+            clock[0] += 60
+            finish = [Path(cfg.out_dir)] + ([tmp_path / "seed4"] if cfg.out_dir.endswith("seed0") else [])
+            for folder in finish:  # while seed 0 trains here, another process finishes seed 4
+                folder.mkdir(exist_ok=True)
+                (folder / "result.json").write_text("{}")
         return {"val_doc_loss": 1.0}
 
-    clock = iter(range(0, 10**6, 60))  # a minute between any two looks at the clock
-    monkeypatch.setattr(cli.time, "time", lambda: next(clock))
+    monkeypatch.setattr(cli.time, "time", lambda: clock[0])
     monkeypatch.setattr(ablate, "run_one", train)
     runs = ablate.train_planned(planned, plan.Study(variants=["reference"], pos_embs=["learned"]), [1])
     progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("=== study")]
