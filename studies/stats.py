@@ -91,7 +91,7 @@ class Effect:
             return 1.0
         if self.se == 0:
             return 0.0 if self.estimate != 0 else 1.0
-        return 2 * (1 - t_cdf(abs(self.estimate) / self.se, self.df))
+        return 2 * t_cdf(-abs(self.estimate) / self.se, self.df)  # the lower tail keeps tiny p's exact
 
     def p_equivalence(self, margin: float) -> float:
         """Two one-sided tests (TOST) of "|effect| >= margin": the larger of the two one-sided p-values.
@@ -100,7 +100,7 @@ class Effect:
             return 1.0
         if self.se == 0:
             return 0.0 if abs(self.estimate) < margin else 1.0
-        above = 1 - t_cdf((self.estimate + margin) / self.se, self.df)  # H0: effect <= -margin
+        above = t_cdf(-(self.estimate + margin) / self.se, self.df)  # H0: effect <= -margin
         below = t_cdf((self.estimate - margin) / self.se, self.df)  # H0: effect >= +margin
         return max(above, below)
 
@@ -216,7 +216,7 @@ def welch_p(values_a: list[float], values_b: list[float]) -> tuple[float, float,
     se = math.sqrt(var_a / len(a) + var_b / len(b))
     difference = float(b.mean() - a.mean())
     df = welch_df(var_a, len(a), var_b, len(b))
-    return difference, se, 2 * (1 - t_cdf(abs(difference) / se, df))
+    return difference, se, 2 * t_cdf(-abs(difference) / se, df)
 
 
 def rank_sum_p(values_a: list[float], values_b: list[float]) -> float:

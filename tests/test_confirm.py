@@ -3,6 +3,7 @@ studies/stats.py), pinned against scipy's own tests, simulation and the publishe
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -230,6 +231,12 @@ def test_a_rank_test_no_data_could_pass_is_marked_so():
     results = {f"t{i}": {"p": 0.001, "p_rank": 0.125, "smallest_p_rank": 0.125, "estimate": 1.0} for i in range(5)}
     confirm.decide_family(results, 0.05, set())
     assert all(r["robust"] is None and r["verdict"] == "hurts" for r in results.values())
+    # one test alone could pass (5 x 0.001), but the others' best Holm step is 4 x 0.04 = 0.16
+    results = {"strong": {"p": 0.001, "p_rank": 0.001, "smallest_p_rank": 0.001, "estimate": 1.0}}
+    results |= {f"t{i}": {"p": 0.001, "p_rank": 0.04, "smallest_p_rank": 0.04, "estimate": 1.0} for i in range(4)}
+    confirm.decide_family(results, 0.05, set())
+    assert results["strong"]["robust"] is True
+    assert all(results[f"t{i}"]["robust"] is None for i in range(4))
 
 
 def test_equivalence_is_tost_in_a_family_of_its_own(decided):
@@ -265,6 +272,16 @@ def test_the_invariance_is_read_against_the_rerun_at_another_thread_count(decide
     late = result["invariance"]["late"]
     assert late["differences"] == pytest.approx([-4e-3, -1e-3]) and late["rounding"] == pytest.approx([1e-3])
     assert late["verdict"] == "beyond rounding"  # 4e-3 > 3 x 1e-3
+
+
+def test_a_diverged_run_is_never_within_rounding(decided):
+    registration, read, _ = decided
+    study, rounding, offsets = read["rounding"]
+    diverged = fake_result(math.nan, 4.0, np.linspace(3.5, 4.5, 40))
+    rerun = {"rope": {**rounding["rope"], "no_reset_position_ids": {400: diverged}}}
+    checks = confirm.invariance(registration, {**read, "rounding": (study, rerun, offsets)})
+    assert math.isnan(checks["early"]["differences"][1])  # after the finite one, where max() would skip it
+    assert checks["early"]["verdict"] == "beyond rounding"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+import scipy.stats
 
 from studies import stats
 
@@ -41,6 +42,18 @@ def test_paired_effect_interval_and_difference_test():
     assert effect.p_difference() == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-9)
     assert stats.paired_effect([0.3]).interval(0.95) == (-math.inf, math.inf)
     assert stats.paired_effect([0.3]).p_difference() == 1.0
+
+
+
+@pytest.mark.parametrize("t", [1e4, 1e9])
+def test_far_tail_p_values_keep_their_digits(t):
+    # on 2 df the two-sided p is 1 - t / sqrt(2 + t^2); written without the subtraction that loses them:
+    exact = 2 / (math.sqrt(2 + t * t) * (math.sqrt(2 + t * t) + t))
+    assert stats.Effect(t, 1.0, 2).p_difference() == pytest.approx(exact, rel=1e-9, abs=0)
+    assert stats.Effect(0.0, 1 / t, 2).p_equivalence(1.0) == pytest.approx(exact / 2, rel=1e-9, abs=0)
+    a, b = [0.0, 0.001, 0.002, 0.0015], [5.0, 5.002, 5.001, 5.003, 5.0005]
+    expected = scipy.stats.ttest_ind(b, a, equal_var=False).pvalue
+    assert 0 < expected < 1e-15 and stats.welch_p(a, b)[2] == pytest.approx(expected, rel=1e-6, abs=0)
 
 
 @pytest.mark.parametrize(
