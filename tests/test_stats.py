@@ -44,7 +44,6 @@ def test_paired_effect_interval_and_difference_test():
     assert stats.paired_effect([0.3]).p_difference() == 1.0
 
 
-
 @pytest.mark.parametrize("t", [1e4, 1e9])
 def test_far_tail_p_values_keep_their_digits(t):
     # on 2 df the two-sided p is 1 - t / sqrt(2 + t^2); written without the subtraction that loses them:
