@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from conftest import ROOT
 
-from studies import ladder, report
+from studies import confirm, ladder, report
 
 COMMITTED = ROOT / "results"
 # written before results.json recorded the study's settings (2026-11-30): today's code refuses to rebuild them
@@ -62,6 +62,20 @@ def test_the_committed_ladder_is_what_todays_code_writes(tmp_path, monkeypatch, 
             f"results/ladder/{name} is not what today's code writes from the committed rungs: if the change is "
             f"meant, rebuild it (python -m studies.ladder {' '.join(configs)} --studies_dir=results "
             "--out_dir=results/ladder) and say what changed in its README.md"
+        )
+
+
+def test_the_committed_confirmatory_decisions_are_what_todays_code_writes(tmp_path, monkeypatch, capsys):
+    """From the committed studies that configs/confirm.toml registers: the decisions, every number beside them."""
+    monkeypatch.chdir(ROOT)
+    assert confirm.main(["configs/confirm.toml", "--studies_dir=results", f"--out_dir={tmp_path}"]) == 0, (
+        capsys.readouterr().err
+    )
+    for name in ("confirm.md", "confirm.json"):
+        assert (tmp_path / name).read_bytes() == (COMMITTED / "confirm" / name).read_bytes(), (
+            f"results/confirm/{name} is not what today's code writes from the committed studies: if the change "
+            "is meant, rebuild it (python -m studies.confirm configs/confirm.toml --studies_dir=results "
+            "--out_dir=results/confirm) and say what changed in its README.md"
         )
 
 
