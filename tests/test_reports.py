@@ -3,11 +3,14 @@ one fails here until the report is rebuilt (each folder's README.md gives its co
 drawn (seconds each; every number they show is in the markdown or the json)."""
 
 import json
+import math
 import re
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
+import scipy.stats
 from conftest import ROOT
 
 from studies import confirm, ladder, report
@@ -77,6 +80,53 @@ def test_the_committed_confirmatory_decisions_are_what_todays_code_writes(tmp_pa
             "is meant, rebuild it (python -m studies.confirm configs/confirm.toml --studies_dir=results "
             "--out_dir=results/confirm) and say what changed in its README.md"
         )
+
+
+def committed_runs(study: str, pos: str, variant: str) -> dict[int, dict]:
+    runs = COMMITTED / study / "runs" / study / pos / variant
+    return {int(f.parent.name.removeprefix("seed")): json.loads(f.read_text())["result"] for f in runs.glob("*/result.json")}
+
+
+def band_loss(result: dict, first: int, last: int) -> float:
+    """The loss of positions first..last-1 of every validation document, from the run's per-position sums."""
+    sums, counts = result["val_doc_loss_sum_by_position"], result["val_doc_count_by_position"]
+    return sum(sums[first:last]) / sum(counts[first:last])
+
+
+def paired_band_effects(study: str, pos: str, variant: str, band: tuple[int, int] = (0, 16)) -> np.ndarray:
+    reference, variant_runs = committed_runs(study, pos, "reference"), committed_runs(study, pos, variant)
+    return np.array([band_loss(variant_runs[s], *band) - band_loss(reference[s], *band) for s in sorted(reference)])
+
+
+def test_the_committed_confirmatory_decisions_recompute_with_scipy_from_the_runs():
+    """Independent of studies/: each run's result.json, scipy's tests and Holm's step-down written out here."""
+    decided = json.loads((COMMITTED / "confirm" / "confirm.json").read_text())
+    effects = {
+        "the mask, learned": paired_band_effects("confirm_rung3", "learned", "no_doc_mask"),
+        "the mask, RoPE": paired_band_effects("confirm_rung3", "rope", "no_doc_mask"),
+        "the position reset, learned": paired_band_effects("confirm_rung3", "learned", "no_reset_position_ids"),
+        "the marker, learned (rung 2)": paired_band_effects("confirm_rung2", "learned", "no_bos"),
+    }
+    p = {name: scipy.stats.ttest_1samp(d, 0.0).pvalue for name, d in effects.items()}
+    growth = "growth of the mask's effect, learned, rung 2 to rung 3"
+    before = paired_band_effects("confirm_rung2", "learned", "no_doc_mask")
+    p[growth] = scipy.stats.ttest_ind(effects["the mask, learned"], before, equal_var=False).pvalue
+    assert set(p) == set(decided["primary"])
+    holm, running = {}, 0.0
+    for step, name in enumerate(sorted(p, key=p.get)):
+        running = max(running, min(1.0, (len(p) - step) * p[name]))
+        holm[name] = running
+    for name, d in effects.items():
+        assert decided["primary"][name]["estimate"] == pytest.approx(d.mean(), rel=1e-9)
+        assert decided["primary"][name]["p_rank"] == pytest.approx(scipy.stats.wilcoxon(d).pvalue, rel=1e-9)
+    for name in p:
+        assert decided["primary"][name]["p_holm"] == pytest.approx(holm[name], rel=1e-6)
+        expected = ("grows" if name == growth else "hurts") if holm[name] < 0.05 else "unresolved"
+        assert decided["primary"][name]["verdict"] == expected
+    late = paired_band_effects("confirm_rung3", "learned", "no_reset_position_ids", (256, 1024))
+    se, df = late.std(ddof=1) / math.sqrt(len(late)), len(late) - 1
+    tost = max(scipy.stats.t.sf((late.mean() + 0.02) / se, df), scipy.stats.t.cdf((late.mean() - 0.02) / se, df))
+    assert decided["equivalence"]["the position reset's late band, learned"]["p"] == pytest.approx(tost, rel=1e-9)
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git tells which folders are committed")
