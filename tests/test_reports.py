@@ -84,7 +84,9 @@ def test_the_committed_confirmatory_decisions_are_what_todays_code_writes(tmp_pa
 
 def committed_runs(study: str, pos: str, variant: str) -> dict[int, dict]:
     runs = COMMITTED / study / "runs" / study / pos / variant
-    return {int(f.parent.name.removeprefix("seed")): json.loads(f.read_text())["result"] for f in runs.glob("*/result.json")}
+    return {
+        int(f.parent.name.removeprefix("seed")): json.loads(f.read_text())["result"] for f in runs.glob("*/result.json")
+    }
 
 
 def band_loss(result: dict, first: int, last: int) -> float:
@@ -93,20 +95,34 @@ def band_loss(result: dict, first: int, last: int) -> float:
     return sum(sums[first:last]) / sum(counts[first:last])
 
 
-def paired_band_effects(study: str, pos: str, variant: str, band: tuple[int, int] = (0, 16)) -> np.ndarray:
+def whole_loss_from_second(result: dict) -> float:
+    """Every validation document's loss from its second token: under the marker, its first token's loss (the
+    one target a run without the marker never has) taken out."""
+    sums, counts = sum(result["val_doc_loss_sum_by_document"]), sum(result["val_doc_count_by_document"])
+    first_tokens = result.get("val_doc_first_token_loss_by_document")
+    if first_tokens is not None:
+        sums, counts = sums - sum(first_tokens), counts - len(first_tokens)
+    return sums / counts
+
+
+def paired_band_effects(study: str, pos: str, variant: str, band: tuple[int, int] | None = (0, 16)) -> np.ndarray:
+    """Per seed, the variant's loss minus the reference's: in the band's positions, or (band None) over whole
+    documents from the second token."""
     reference, variant_runs = committed_runs(study, pos, "reference"), committed_runs(study, pos, variant)
-    return np.array([band_loss(variant_runs[s], *band) - band_loss(reference[s], *band) for s in sorted(reference)])
+    loss = whole_loss_from_second if band is None else (lambda result: band_loss(result, *band))
+    return np.array([loss(variant_runs[s]) - loss(reference[s]) for s in sorted(reference)])
 
 
 def test_the_committed_confirmatory_decisions_recompute_with_scipy_from_the_runs():
     """Independent of studies/: each run's result.json, scipy's tests and Holm's step-down written out here."""
     decided = json.loads((COMMITTED / "confirm" / "confirm.json").read_text())
-    effects = {
-        "the mask, learned": paired_band_effects("confirm_rung3", "learned", "no_doc_mask"),
-        "the mask, RoPE": paired_band_effects("confirm_rung3", "rope", "no_doc_mask"),
-        "the position reset, learned": paired_band_effects("confirm_rung3", "learned", "no_reset_position_ids"),
-        "the marker, learned (rung 2)": paired_band_effects("confirm_rung2", "learned", "no_bos"),
+    where = {
+        "the mask, learned": ("confirm_rung3", "learned", "no_doc_mask"),
+        "the mask, RoPE": ("confirm_rung3", "rope", "no_doc_mask"),
+        "the position reset, learned": ("confirm_rung3", "learned", "no_reset_position_ids"),
+        "the marker, learned (rung 2)": ("confirm_rung2", "learned", "no_bos"),
     }
+    effects = {name: paired_band_effects(*cell) for name, cell in where.items()}
     p = {name: scipy.stats.ttest_1samp(d, 0.0).pvalue for name, d in effects.items()}
     growth = "growth of the mask's effect, learned, rung 2 to rung 3"
     before = paired_band_effects("confirm_rung2", "learned", "no_doc_mask")
@@ -116,8 +132,14 @@ def test_the_committed_confirmatory_decisions_recompute_with_scipy_from_the_runs
     for step, name in enumerate(sorted(p, key=p.get)):
         running = max(running, min(1.0, (len(p) - step) * p[name]))
         holm[name] = running
+    registered_seeds = {"confirm_rung3": 8, "confirm_rung2": 16}
     for name, d in effects.items():
+        study, pos, variant = where[name]
+        assert len(d) == decided["primary"][name]["seeds"] == registered_seeds[study]
         assert decided["primary"][name]["estimate"] == pytest.approx(d.mean(), rel=1e-9)
+        whole = paired_band_effects(study, pos, variant, band=None)
+        # the runs recorded their whole-document loss before rounding the per-document sums they keep
+        assert decided["primary"][name]["whole"] == pytest.approx(whole.mean(), abs=1e-6)
         assert decided["primary"][name]["p_rank"] == pytest.approx(scipy.stats.wilcoxon(d).pvalue, rel=1e-9)
     for name in p:
         assert decided["primary"][name]["p_holm"] == pytest.approx(holm[name], rel=1e-6)
