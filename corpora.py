@@ -1,6 +1,6 @@
 """Corpora: what a `dataset` setting names, and its documents, streamed file by file with counts of what
 was skipped and why. The built-in corpora (the Python standard library's top-level definitions or whole
-modules, and the installed packages' definitions or whole modules) need no download.
+modules; the installed packages' definitions, whole modules, or docstrings, which are prose) need no download.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from errors import DataError
 from shards import EOT_TEXT, PREPARED_FILES
 
-BUILTIN_DATASETS = ("stdlib", "stdlib-files", "packages", "packages-files")
+BUILTIN_DATASETS = ("stdlib", "stdlib-files", "packages", "packages-files", "packages-docs")
 
 DATASET_HELP = (
     f"give one of {', '.join(BUILTIN_DATASETS)}, a directory of text files, a .jsonl file with a 'text' field, "
@@ -37,7 +37,7 @@ class Source:
     identity: str  # the dataset, however its path was spelled: staleness reports compare it
     root: Path  # file paths in the fingerprint are relative to it
     files: tuple[Path, ...]
-    builtin: str | None = None  # "stdlib", "packages": top-level definitions; "stdlib-files", "packages-files": modules
+    builtin: str | None = None  # "stdlib", "packages": top-level definitions; "...-files": modules; "packages-docs"
     single_file: bool = False  # a lone text file is split on <|endoftext|>; in a folder it is one document
 
 
@@ -149,7 +149,7 @@ def resolve_dataset(dataset: str, exclude: tuple[Path, ...] = ()) -> Source:
     kind that cannot be read."""
     if not dataset.strip():
         raise DataError(f"dataset is empty: {DATASET_HELP}")
-    if dataset in ("packages", "packages-files"):
+    if dataset in ("packages", "packages-files", "packages-docs"):
         root = Path(sysconfig.get_paths()["purelib"]).resolve()
         return Source(dataset, dataset, root, tuple(_package_modules()), builtin=dataset)
     if dataset in BUILTIN_DATASETS:
@@ -237,6 +237,26 @@ def _module_definitions(path: Path, skipped: Counter, on_bytes: Callable[[int], 
         skipped["not_utf8"] += 1
     except (SyntaxError, ValueError):  # ValueError: source with null bytes
         skipped["syntax_error"] += 1
+
+
+def _module_docstrings(path: Path, skipped: Counter, on_bytes: Callable[[int], None]) -> Iterator[str]:
+    """The docstrings of a module, its classes and functions (nested ones too), indentation removed: English
+    prose with some markup and examples, mostly a few sentences long. Copies (one docstring inherited by many
+    classes) are left to preparation, which keeps each document once."""
+    content = path.read_bytes()
+    on_bytes(len(content))
+    try:
+        tree = ast.parse(content.decode("utf-8"))
+    except UnicodeDecodeError:
+        skipped["not_utf8"] += 1
+        return
+    except (SyntaxError, ValueError):  # ValueError: source with null bytes
+        skipped["syntax_error"] += 1
+        return
+    documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    for node in ast.walk(tree):
+        if isinstance(node, documented) and (docstring := ast.get_docstring(node, clean=True)):
+            yield docstring
 
 
 def _jsonl_documents(path: Path, text_field: str, on_bytes: Callable[[int], None]) -> Iterator[str]:
@@ -396,6 +416,21 @@ def _repairing(documents: Iterator[str], name: str, repaired: Counter | None) ->
         yield fit
 
 
+def _builtin_documents(
+    source: Source, skip: Callable[[str, Path], None], skipped: Counter, on_bytes: Callable[[int], None]
+) -> Iterator[str]:
+    by_module = {"packages": _module_definitions, "packages-docs": _module_docstrings}
+    if source.builtin in by_module:  # too large to cache like the standard library: read file by file
+        for path in source.files:
+            yield from by_module[source.builtin](path, skipped, on_bytes)
+    elif source.builtin == "packages-files":
+        for path in source.files:
+            yield from _file_document(path, skip, on_bytes)
+    else:
+        yield from stdlib_documents(source.builtin == "stdlib", skipped)
+        on_bytes(sum(p.stat().st_size for p in source.files))
+
+
 def read_documents(
     source: Source,
     text_field: str = "text",
@@ -417,17 +452,8 @@ def read_documents(
             skipped_files.setdefault(reason, []).append(str(path.relative_to(source.root)))
 
     def documents() -> Iterator[str]:
-        if source.builtin == "packages":  # too large to cache like the standard library: read file by file
-            for path in source.files:
-                yield from _module_definitions(path, skipped, on_bytes)
-            return
-        if source.builtin == "packages-files":
-            for path in source.files:
-                yield from _file_document(path, skip, on_bytes)
-            return
         if source.builtin:
-            yield from stdlib_documents(source.builtin == "stdlib", skipped)
-            on_bytes(sum(p.stat().st_size for p in source.files))
+            yield from _builtin_documents(source, skip, skipped, on_bytes)
             return
         for path in source.files:
             kind = file_kind(path)

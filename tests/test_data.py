@@ -614,3 +614,27 @@ def test_documents_with_lone_surrogates_are_kept_counted_and_their_files_named(t
         for line in lines
     )
     assert "half \ufffd a pair" in decoded_documents(folder, "train") + decoded_documents(folder, "val")
+
+
+def test_packages_docs_corpus_is_every_docstring_of_the_same_modules_and_no_code(tmp_path):
+    """The prose corpus: the docstrings of the modules `packages` reads, module, class, function and nested
+    ones, indentation removed; code, comments and other strings are not documents."""
+    import itertools
+    from collections import Counter
+
+    module = tmp_path / "m.py"
+    module.write_text(
+        '"""The module.\n\n    Indented."""\nimport os  # a comment\n\nX = "not a docstring"\n\n\n'
+        'class A:\n    """A class.\n\n    Two lines."""\n\n    def f(self):\n        """A method."""\n'
+        "        def inner():\n            '''Nested.'''\n        return 1\n\n\ndef g():\n    return 2\n"
+    )
+    skipped = Counter()
+    found = list(corpora._module_docstrings(module, skipped, lambda n: None))
+    assert found == ["The module.\n\nIndented.", "A class.\n\nTwo lines.", "A method.", "Nested."] and not skipped
+    broken = tmp_path / "broken.py"
+    broken.write_text('"""Fine."""\ndef (:\n')
+    assert list(corpora._module_docstrings(broken, skipped, lambda n: None)) == [] and skipped["syntax_error"] == 1
+    source = corpora.resolve_dataset("packages-docs")
+    assert source.files == corpora.resolve_dataset("packages").files and source.builtin == "packages-docs"
+    docs = list(itertools.islice(corpora.read_documents(source), 500))
+    assert len(docs) == 500 and not any(d.lstrip().startswith(("def ", "class ", "import ")) for d in docs)
