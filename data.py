@@ -203,10 +203,12 @@ def single_pieces(start: np.ndarray, length: np.ndarray) -> Rows:
     return Rows(start.astype(np.int64), length.astype(np.int64), np.arange(len(start) + 1))
 
 
-def concat_rows(documents: Documents, seq_len: int) -> Rows:
-    """Contiguous, non-overlapping windows of T + 1 tokens (consecutive rows share one token, as x/y do)."""
-    starts = np.arange(0, documents.n_tokens - seq_len, seq_len, dtype=np.int64)
-    return single_pieces(starts, np.full_like(starts, seq_len + 1))
+def concat_rows(documents: Documents, seq_len: int, keep_tail: bool = False) -> Rows:
+    """Contiguous, non-overlapping windows of T + 1 tokens (consecutive rows share one token, as x/y do). The
+    last (n_tokens - 1) mod T tokens are left out, as Megatron-LM does, unless `keep_tail` pads them into a row."""
+    end = documents.n_tokens - 1 if keep_tail else documents.n_tokens - seq_len
+    starts = np.arange(0, end, seq_len, dtype=np.int64)
+    return single_pieces(starts, np.minimum(seq_len + 1, documents.n_tokens - starts))
 
 
 def document_chunks(documents: Documents, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -279,7 +281,7 @@ PACKINGS = {"concat": concat_rows, "pad": pad_rows, "bestfit": bestfit_rows}
 class PackedBatches:
     """A deterministic, resumable sequence of batches from one split: rows planned once from the data alone,
     shuffled each epoch by (seed, epoch), so runs of one seed see the same rows whatever their flags; the
-    position is two integers, saved in checkpoints."""
+    position is two integers, saved in checkpoints. `keep_tail`: concat's last, shorter row too (evaluation)."""
 
     def __init__(
         self,
@@ -294,13 +296,17 @@ class PackedBatches:
         shuffle: bool = True,
         seed: int = 0,
         split: str = "train",
+        keep_tail: bool = False,
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
         if packing not in PACKINGS:
             raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
         self.documents = Documents(stream, eot_id, bos_id)
-        self.rows = PACKINGS[packing](self.documents, seq_len)
+        if packing == "concat":
+            self.rows = concat_rows(self.documents, seq_len, keep_tail)
+        else:
+            self.rows = PACKINGS[packing](self.documents, seq_len)
         needed = batch_size * world_size if shuffle else 1  # training takes whole global batches
         if len(self.rows) < needed:
             raise DataError(

@@ -5,6 +5,7 @@ the summary a run ends with."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shlex
 import sys
@@ -90,49 +91,100 @@ def batches_statistics(batches: PackedBatches) -> dict:
 
 
 class DocumentLosses:
-    """The losses of the validation documents, each alone from its start (`alone`, packing=pad), summed by
-    position in the text (position p predicts the token after the p-th) and by document, with each first
-    token's loss under the marker: val_doc_loss, val_doc_loss_from_second (the targets both conventions
-    share) and the sums metrics.jsonl keeps."""
+    """The losses of the validation documents over some rows of them, each target credited to the document and
+    the position in its text that it belongs to (found from the rows' stream indexes, so any packing serves):
+    sums by position (position p predicts the token after the p-th) and by document, from each document's first
+    text token on (a BOS is never scored), from its second, and its first alone. Scored `alone` (rows under
+    the document mask and reset positions: every document as if from position 0) these are val_doc_loss and
+    its sums; scored `in_context` (the run's own packed rows and flags, after the documents before it), the
+    same targets from the second token as val_doc_loss_in_context. With `token_bytes` (each id's UTF-8 bytes,
+    0 for EOT and BOS) also bits per byte: nats / ln 2 / the bytes of the targets' text."""
 
-    def __init__(self, alone: PackedBatches, device: torch.device) -> None:
-        self.document_of_row = torch.from_numpy(alone.document_of_rows()).to(device)  # a long one has several rows
-        self.n_documents, self.seq_len, self.marker = len(alone.documents), alone.seq_len, alone.documents.marker
-        self.batch_size = alone.batch_size
+    def __init__(self, rows: PackedBatches, device: torch.device, token_bytes: torch.Tensor | None = None) -> None:
+        self.rows, self.device, self.token_bytes, self.has_bytes = rows, device, token_bytes, token_bytes is not None
+        self.n_documents, self.seq_len, self.marker = len(rows.documents), rows.seq_len, rows.documents.marker
         self.by_position = torch.zeros(2, self.seq_len, dtype=torch.float64, device=device)  # sums, counts
-        self.by_document = torch.zeros(3, self.n_documents, dtype=torch.float64, device=device)  # and first token
+        # per document: losses and counts from the first text token, losses and counts from the second, the
+        # first token's loss, the bytes of the targets from the second
+        self.by_document = torch.zeros(6, self.n_documents, dtype=torch.float64, device=device)
+        self.every_target = torch.zeros(3, dtype=torch.float64, device=device)  # losses, counts, bytes
 
     def add(self, first_row: int, losses: torch.Tensor, counted: torch.Tensor, batch: Batch) -> None:
-        """The losses of the batch of `alone`'s rows from first_row on."""
-        rows = self.document_of_row[first_row : first_row + self.batch_size]
-        real = slice(0, len(rows))  # the last batch is filled up with empty rows
-        from_bos = counted & (batch.doc_positions == -1)
-        sums = [losses[real].sum(1), counted[real].sum(1), (losses * from_bos)[real].sum(1)]
-        self.by_document.index_add_(1, rows, torch.stack([x.double() for x in sums]))
-        # a document's first row holds its text up to position seq_len - 1 - marker; a later chunk starts
-        # there or beyond, with nothing before it, and would make the last position's mean a row start's
-        in_text = counted & (batch.doc_positions >= 0) & (batch.doc_positions < self.seq_len - self.marker)
-        positions = batch.doc_positions[in_text]
-        ones = torch.ones_like(positions, dtype=torch.float64)
-        self.by_position.index_add_(1, positions, torch.stack([losses[in_text].double(), ones]))
+        """The losses of the batch of `rows`' rows from first_row on (the last batch is filled up with empty rows)."""
+        n_rows = min(self.rows.batch_size, len(self.rows) - first_row)
+        index, _ = self.rows.rows.index(np.arange(first_row, first_row + n_rows), self.seq_len + 1)
+        target = np.maximum(index[:, 1:], 0)
+        document = torch.from_numpy(self.rows.documents.document_of(target)).to(self.device)
+        position = torch.from_numpy(self.rows.documents.positions(target)).to(self.device)
+        real = torch.from_numpy(index[:, 1:] >= 0).to(self.device)
+        every = [(losses * counted).sum(), counted.sum(), self.bytes_of(batch.targets, counted).sum()]
+        self.every_target += torch.stack([x.double() for x in every])
+        losses, counted = losses[:n_rows].double(), counted[:n_rows] & real & (position >= 0)
+        from_second = counted & (position >= 1)
+        n_bytes = self.bytes_of(batch.targets[:n_rows], from_second)
+        first = counted & (position == 0)
+        sums = [losses * counted, counted, losses * from_second, from_second, losses * first, n_bytes]
+        self.by_document.index_add_(1, document[counted], torch.stack([x.double()[counted] for x in sums]))
+        # a document's later chunk scored alone starts with nothing before it, at position seq_len - marker or
+        # beyond: binned by position it would make the last positions' means a row start's
+        binned = from_second & (position <= self.seq_len - self.marker)
+        ones = torch.ones_like(losses[binned])
+        self.by_position.index_add_(1, position[binned] - 1, torch.stack([losses[binned], ones]))
+
+    def bytes_of(self, targets: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        if not self.has_bytes:
+            return torch.zeros_like(targets, dtype=torch.float64)
+        return self.token_bytes[targets.clamp(min=0)] * where
+
+    def packed_result(self) -> dict:
+        """val_loss: every counted target of these rows, as training counts them."""
+        total, count, n_bytes = self.every_target.tolist()
+        bpb = {"val_bpb": bits_per_byte(total, n_bytes)} if self.has_bytes else {}
+        return {"val_loss": total / max(1.0, count), **bpb}
+
+    def scored_positions(self) -> torch.Tensor:
+        return self.by_position[:, : int((self.by_position[1] > 0).sum())]
 
     def result(self) -> dict:
-        by_position = self.by_position[:, : int((self.by_position[1] > 0).sum())].tolist()
-        loss_sums, counts, first_token = self.by_document.tolist()
-        first_token_sum = self.by_document[2].sum().item()
-        from_second = (sum(loss_sums) - first_token_sum) / max(1.0, sum(counts) - self.marker * self.n_documents)
+        """Scored alone: val_doc_loss, val_doc_loss_from_second and the sums metrics.jsonl keeps."""
+        sums, counts, second, n_second, first_token, n_bytes = self.by_document.tolist()
+        by_position = self.scored_positions().tolist()
         result = {
-            "val_doc_loss": sum(loss_sums) / max(1.0, sum(counts)),
-            "val_doc_loss_from_second": from_second,
-            "val_doc_loss_sum_by_position": [round(x, 4) for x in by_position[0]],
+            "val_doc_loss": sum(sums) / max(1.0, sum(counts)),
+            "val_doc_loss_from_second": sum(second) / max(1.0, sum(n_second)),
+            "val_doc_loss_sum_by_position": rounded(by_position[0]),
             "val_doc_count_by_position": [int(x) for x in by_position[1]],
-            "val_doc_loss_sum_by_document": [round(x, 4) for x in loss_sums],
+            "val_doc_loss_sum_by_document": rounded(sums),
             "val_doc_count_by_document": [int(x) for x in counts],
         }
         if self.marker:
-            result["val_first_token_loss"] = self.by_document[2].mean().item()
-            result["val_doc_first_token_loss_by_document"] = [round(x, 4) for x in first_token]
+            result["val_first_token_loss"] = sum(first_token) / max(1, self.n_documents)
+            result["val_doc_first_token_loss_by_document"] = rounded(first_token)
+        if self.has_bytes:
+            result["val_doc_bpb_from_second"] = bits_per_byte(sum(second), sum(n_bytes))
+            result["val_doc_bytes_from_second_by_document"] = [int(x) for x in n_bytes]
         return result
+
+    def in_context_result(self) -> dict:
+        """Scored in context: the same targets from the second token, after the documents before them."""
+        second, n_second, n_bytes = (self.by_document[i].tolist() for i in (2, 3, 5))
+        result = {
+            "val_doc_loss_in_context": sum(second) / max(1.0, sum(n_second)),
+            "val_doc_loss_in_context_sum_by_position": rounded(self.scored_positions()[0].tolist()),
+            "val_doc_loss_in_context_sum_by_document": rounded(second),
+        }
+        if self.has_bytes:
+            result["val_doc_bpb_in_context"] = bits_per_byte(sum(second), sum(n_bytes))
+        return result
+
+
+def rounded(sums: list[float]) -> list[float]:
+    return [round(x, 4) for x in sums]
+
+
+def bits_per_byte(nats: float, n_bytes: int) -> float:
+    """nanochat's val_bpb: a tokenizer-free loss, so that runs with different tokenizers compare."""
+    return nats / math.log(2) / max(1, n_bytes)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -264,6 +264,15 @@ def with_start_marker(enc: tiktoken.Encoding, bos_id: int | None) -> tiktoken.En
     )
 
 
+def token_bytes(enc: tiktoken.Encoding) -> np.ndarray:
+    """Each id's length in UTF-8 bytes, 0 for the special tokens (EOT, BOS): what bits per byte divide by.
+    A byte-level BPE's tokens are byte strings, so a text's token bytes add up to its own."""
+    lengths = np.zeros(enc.n_vocab, dtype=np.int64)
+    for token, rank in enc._mergeable_ranks.items():
+        lengths[rank] = len(token)
+    return lengths
+
+
 def document_opening(enc: tiktoken.Encoding, text: str) -> list[int]:
     """The ids a document beginning with `text` starts with: the BOS first when the tokenizer has one."""
     bos = [enc.encode_single_token(BOS_TEXT)] if BOS_TEXT in enc.special_tokens_set else []

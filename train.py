@@ -92,9 +92,8 @@ def loop(cfg: Config, session: Session, run: RunData, model: GPT, optimizer, log
         if should_eval:
             t_eval = time.time()
             if session.main_process:  # the unwrapped model: a DDP forward on one process alone would hang
-                val = evaluate(
-                    fast_model, model.config, run.val_packed, run.val_alone, session.device, precision, print
-                )
+                sets = (run.val_packed, run.val_alone)
+                val = evaluate(fast_model, model.config, *sets, session.device, precision, print, run.token_bytes)
                 result = {"step": step, **val}
             session.save(step, result)
             log.evaluated(result, time.time() - t_eval)
@@ -160,29 +159,26 @@ def evaluate(
     device: torch.device,
     precision,
     print_progress=None,
+    token_bytes: torch.Tensor | None = None,
 ) -> dict:
-    """On the fixed validation documents. val_loss: `packed`, rows under the run's packing and flags.
-    val_doc_loss and its sums (reports.DocumentLosses): `alone`, each document alone from its start (the
-    inference setting). Progress goes to `print_progress` every 10 seconds (None: nowhere)."""
+    """On the fixed validation documents. val_loss: `packed`, rows under the run's packing and flags, where each
+    document is also scored in context (val_doc_loss_in_context). val_doc_loss and its sums: `alone`, every
+    document as from its start, the inference setting (reports.DocumentLosses). With `token_bytes` (each id's
+    UTF-8 bytes) also bits per byte. Progress goes to `print_progress` every 10 seconds (None: nowhere)."""
     model.eval()
-    n_batches = -(-len(packed) // packed.batch_size) - (-len(alone) // alone.batch_size)
+    n_batches = sum(-(-len(rows) // rows.batch_size) for rows in (packed, alone))
     progress = evaluation_progress(n_batches, print_progress)
-
-    def losses_of(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Batch]:
-        progress.advance(1)
-        batch = batch.to(device)
-        with precision:
-            return *token_losses(model, batch, model_config), batch
-
-    total = count = torch.zeros((), device=device)
-    for batch in packed.all_batches():
-        losses, counted, _ = losses_of(batch)
-        total, count = total + losses.sum(), count + counted.sum()
-    documents = reports.DocumentLosses(alone, device)
-    for first_row, batch in zip(range(0, len(alone), alone.batch_size), alone.all_batches()):
-        documents.add(first_row, *losses_of(batch))
+    sums = {}
+    for scored, rows in (("in_context", packed), ("alone", alone)):
+        sums[scored] = reports.DocumentLosses(rows, device, token_bytes)
+        for first_row, batch in zip(range(0, len(rows), rows.batch_size), rows.all_batches()):
+            batch = batch.to(device)
+            with precision:
+                losses, counted = token_losses(model, batch, model_config)
+            sums[scored].add(first_row, losses, counted, batch)
+            progress.advance(1)
     model.train()
-    return {"val_loss": (total / count.clamp(min=1)).item(), **documents.result()}
+    return {**sums["in_context"].packed_result(), **sums["alone"].result(), **sums["in_context"].in_context_result()}
 
 
 def evaluation_progress(n_batches: int, print_progress) -> Progress:
@@ -193,10 +189,11 @@ def evaluation_progress(n_batches: int, print_progress) -> Progress:
 def validation_sets(
     val: np.ndarray, eot_id: int, cfg: Config, bos_id: int | None = None
 ) -> tuple[PackedBatches, PackedBatches]:
-    """The validation documents as `evaluate` takes them: packed as the run packs, and each alone."""
+    """The validation documents as `evaluate` takes them: packed as the run packs, and each alone, which needs no
+    row of its own: under the document mask and reset positions whole documents share rows (best fit)."""
     common = dict(eot_id=eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, bos_id=bos_id, shuffle=False)
-    packed = PackedBatches(val, packing=cfg.packing, flags=cfg.flags, split="val", **common)
-    return packed, PackedBatches(val, packing="pad", split="val", **common)
+    packed = PackedBatches(val, packing=cfg.packing, flags=cfg.flags, split="val", keep_tail=True, **common)
+    return packed, PackedBatches(val, packing="bestfit", flags=Flags(), split="val", **common)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,8 +260,9 @@ class RunData:
     tokenizer: object  # the run's tiktoken Encoding, with the start marker when the run has it
     train: PackedBatches
     val_packed: PackedBatches  # the validation documents packed as the run packs
-    val_alone: PackedBatches  # and each alone (packing=pad)
+    val_alone: PackedBatches  # and each alone (best-fit rows under the document mask and reset positions)
     val_tokens: int
+    token_bytes: torch.Tensor  # each id's UTF-8 bytes (0 for EOT and BOS), for bits per byte
 
 
 def load_data(cfg: Config, session: Session) -> RunData:
@@ -288,7 +286,10 @@ def load_data(cfg: Config, session: Session) -> RunData:
     )
     val_packed, val_alone = validation_sets(val, eot_id, cfg, bos_id)
     tokenizer = shards.with_start_marker(enc, bos_id)
-    return RunData(shard_path, prepared.meta, eot_id, tokenizer, train_rows, val_packed, val_alone, len(val))
+    token_bytes = torch.from_numpy(shards.token_bytes(tokenizer)).to(session.device)
+    return RunData(
+        shard_path, prepared.meta, eot_id, tokenizer, train_rows, val_packed, val_alone, len(val), token_bytes
+    )
 
 
 def prepared_data(cfg: Config, session: Session) -> tuple[Path, shards.Shards]:

@@ -94,11 +94,11 @@ def test_evaluation_follows_the_runs_packing_and_flags_only_in_val_loss():
         cfg = Config(seq_len=T, batch_size=2, **settings)
         results[name] = train.evaluate(model, model.config, *train.validation_sets(val, eot, cfg), cpu, fp32)
         total = count = 0.0
-        for start in range(0, len(val) - T, T):  # the concat rows, one at a time
-            x, y = val[start : start + T].tolist(), val[start + 1 : start + T + 1].tolist()
+        for start in range(0, len(val) - 1, T):  # the concat rows, one at a time, the last one short
+            x, y = val[start : min(start + T, len(val) - 1)].tolist(), val[start + 1 : start + T + 1].tolist()
             docs, positions, masked = reference_semantics(x, y, eot)
             targets = torch.tensor([masked if cfg.mask_boundary_loss else y])
-            pos = torch.tensor([positions if cfg.reset_position_ids else list(range(T))])
+            pos = torch.tensor([positions if cfg.reset_position_ids else list(range(len(x)))])
             mask = document_causal_dense(torch.tensor([docs])) if cfg.doc_mask else None
             with torch.no_grad():
                 losses = model(torch.tensor([x]), pos, mask, targets)
@@ -181,6 +181,116 @@ def test_with_the_start_marker_evaluation_scores_each_document_from_its_bos():
     assert counts[:3] == [3, 3, 2] and counts[5:] == [1] * (T - 6) and sum(counts) == 5 + (T - 1) + 2
     # from position 5 on only the 30-token text is there: its first row's losses (1 + p: after its BOS's)
     assert result["val_doc_loss_sum_by_position"][5:] == pytest.approx(by_document[1][6:T], abs=1e-3)
+
+
+def in_context_by_hand(model, stream, place, lengths, T, eot, flags, token_bytes):
+    """Per document: the losses and the bytes of its targets from the second text token, scored in the concat
+    rows of `stream` one at a time by the rules in data.py's docstring (the last row short)."""
+    import numpy as np
+
+    owner = np.repeat(np.arange(len(lengths)), np.add(lengths, 2))
+    sums, n_bytes = np.zeros(len(lengths)), np.zeros(len(lengths))
+    for start in range(0, len(stream) - 1, T):
+        x, y = stream[start : start + T], stream[start + 1 : start + T + 1]
+        x = x[: len(y)]
+        starts = np.r_[True, x[:-1] == eot]
+        docs_of_row = np.cumsum(np.r_[0, x[:-1] == eot])
+        position = np.arange(len(x)) - np.maximum.accumulate(np.where(starts, np.arange(len(x)), 0))
+        mask = torch.from_numpy(docs_of_row[:, None] == docs_of_row[None, :]).tril()[None, None]
+        with torch.no_grad():
+            losses = model(
+                torch.from_numpy(x).long()[None],
+                torch.from_numpy(position if flags.reset_position_ids else np.arange(len(x)))[None],
+                mask if flags.doc_mask else None,
+                torch.from_numpy(y).long()[None],
+            )[0].numpy()
+        for slot, target in enumerate(range(start + 1, start + 1 + len(y))):
+            if place[target] >= 1:
+                sums[owner[target]] += losses[slot]
+                n_bytes[owner[target]] += token_bytes[stream[target]].item()
+    return sums, n_bytes
+
+
+@pytest.mark.parametrize("flags", [Flags(), Flags(False, False, False)], ids=["reference", "naive"])
+def test_in_context_scores_each_documents_targets_from_the_second_after_the_documents_before_it(flags):
+    """Scored in context: the concat rows of the validation stream under the run's flags, the last short row
+    included, each target from a document's second text token on (and its EOT) credited to that document; the
+    same targets as val_doc_loss_from_second. Under the reference's flags the two scorings agree (a document in
+    a row is a document alone); without the fixes they do not. Bits per byte divide by the targets' bytes."""
+    import math
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    T, eot, bos = 16, 62, 63
+    model = GPT(GPTConfig(vocab_size=64, seq_len=T, n_layer=1, n_head=2, n_embd=16)).eval()
+    rng = np.random.default_rng(4)
+    docs = [rng.integers(0, eot, n) for n in (5, 30, 1, 9, 4)]
+    val = np.concatenate([np.append(d, eot) for d in docs])
+    token_bytes = torch.arange(64) % 3  # 0, 1 or 2 bytes a token; EOT (62 % 3 = 2) made 0 below
+    token_bytes[eot] = token_bytes[bos] = 0
+    cfg = Config(
+        seq_len=T,
+        batch_size=2,
+        doc_mask=flags.doc_mask,
+        reset_position_ids=flags.reset_position_ids,
+        mask_boundary_loss=flags.mask_boundary_loss,
+    )
+    cpu, fp32 = torch.device("cpu"), torch.autocast("cpu", enabled=False)
+    sets = train.validation_sets(val, eot, cfg, bos)
+    result = train.evaluate(model, model.config, *sets, cpu, fp32, token_bytes=token_bytes)
+    stream = np.concatenate([np.concatenate([[bos], d, [eot]]) for d in docs])
+    place = np.concatenate([np.arange(-1, len(d) + 1) for d in docs])  # -1 the BOS, 0 the first text token
+    sums, n_bytes = in_context_by_hand(model, stream, place, [len(d) for d in docs], T, eot, flags, token_bytes)
+    assert result["val_doc_loss_in_context_sum_by_document"] == pytest.approx(sums.tolist(), abs=1e-3)
+    assert result["val_doc_loss_in_context"] == pytest.approx(sums.sum() / sum(len(d) for d in docs), rel=1e-5)
+    assert result["val_doc_bytes_from_second_by_document"] == n_bytes.tolist()
+    assert result["val_doc_bpb_in_context"] == pytest.approx(sums.sum() / math.log(2) / n_bytes.sum(), rel=1e-5)
+    alone = result["val_doc_loss_from_second"]
+    assert result["val_doc_bpb_from_second"] == pytest.approx(
+        alone * sum(len(d) for d in docs) / math.log(2) / n_bytes.sum(), rel=1e-5
+    )
+    alone_by_document = np.subtract(
+        result["val_doc_loss_sum_by_document"], result["val_doc_first_token_loss_by_document"]
+    )
+    starts = np.flatnonzero(place == -1)
+    uncut = [i for i, s in enumerate(starts) if s // T == (s + len(docs[i])) // T]  # its targets in the BOS's row
+    assert uncut and len(uncut) < len(docs)  # a row edge cuts a document: there the two scorings differ anyway
+    in_context = np.array(result["val_doc_loss_in_context_sum_by_document"])
+    if flags == Flags():  # a document in a row is a document alone
+        assert in_context[uncut] == pytest.approx(alone_by_document[uncut], abs=1e-4)
+    else:
+        assert np.abs(in_context[uncut] - alone_by_document[uncut]).max() > 1e-2
+
+
+def test_scoring_alone_is_the_same_in_shared_rows_as_one_document_a_row():
+    """Under the document mask and reset positions a document's losses do not depend on its neighbours: the
+    best-fit rows that evaluation shares between documents give what one document a row (pad) gives."""
+    import numpy as np
+
+    import reports
+    from data import PackedBatches
+
+    torch.manual_seed(0)
+    T, eot, bos = 32, 62, 63
+    model = GPT(GPTConfig(vocab_size=64, seq_len=T, n_layer=2, n_head=2, n_embd=16, pos_emb="rope")).eval()
+    rng = np.random.default_rng(5)
+    val = np.concatenate([np.append(rng.integers(0, eot, n), eot) for n in rng.integers(1, 50, 40)])
+    cpu = torch.device("cpu")
+    results = {}
+    for packing in ("pad", "bestfit"):
+        rows = PackedBatches(val, eot, T, 4, packing, bos_id=bos, shuffle=False)
+        sums = reports.DocumentLosses(rows, cpu)
+        for first_row, batch in zip(range(0, len(rows), 4), rows.all_batches()):
+            with torch.no_grad():
+                sums.add(first_row, *train.token_losses(model, batch, model.config), batch)
+        results[packing] = (len(rows), sums.result())
+    (n_pad, pad), (n_shared, shared) = results["pad"], results["bestfit"]
+    assert n_shared < 0.7 * n_pad
+    for key in ("val_doc_loss_sum_by_document", "val_doc_loss_sum_by_position", "val_doc_first_token_loss_by_document"):
+        assert shared[key] == pytest.approx(pad[key], abs=2e-4), key
+    assert shared["val_doc_count_by_document"] == pad["val_doc_count_by_document"]
+    assert shared["val_doc_count_by_position"] == pad["val_doc_count_by_position"]
 
 
 def test_a_run_with_the_start_marker_evaluates_each_document_from_its_bos(tmp_path):
