@@ -46,6 +46,9 @@ from studies.plan import DIFFERENCE_ENDPOINTS, Study, parse_args, seeds_of_cells
 from studies.report import ENDPOINT_NAMES, endpoints, saved_runs, settings_changed
 from studies.tables import markdown_table
 
+ROUNDING_ENDPOINTS = ("early", "late", "from_second", "in_context")
+MOST_PRIMARY_TESTS = 12  # Holm keeps the family-wise error at any size; power is what a large family costs
+
 
 @dataclass
 class Test:
@@ -70,7 +73,11 @@ class Registration:
     studies: dict[str, str]  # name -> ablate config
     primary: list[Test]
     equivalence: list[Test]
-    invariance: dict  # study, pos, variant, rounding (a study's name)
+    invariance: dict = field(default_factory=dict)  # study, pos, variant, rounding (a study's name); or none
+    rounding: dict = field(default_factory=dict)  # study, rerun: how far a rerun (another thread count or
+    # execution path) moves the study's reference runs of the same seeds; or none
+    title: str = "The confirmatory study"
+    same_machine: str = "study"  # "study": every run on one CPU model; "seed": a seed's runs on one
     pilot: str = ""  # a pilot's runs (ablate's layout) for the planned spreads
     pilot_config: str = ""
     alpha: float = stats.ALPHA
@@ -90,13 +97,18 @@ def read_registration(path: Path) -> Registration:
     except TypeError as e:
         raise ConfigError(f"{path}: {e} (see python -m studies.confirm --help)") from None
     tables = {"studies": registration.studies, "invariance": registration.invariance, "notes": registration.notes}
+    tables["rounding"] = registration.rounding
     for name, table in {**tables, "most_seeds": registration.most_seeds}.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: {name} must be a table ([{name}] or {name} = {{ ... }}), got {table!r}")
     if not all(isinstance(v, str) for table in tables.values() for v in table.values()):
-        raise ConfigError(f"{path}: [studies], [invariance] and [notes] hold text values only")
-    if not 1 <= len(registration.primary) <= 5:
-        raise ConfigError(f"{path}: the primary family holds {len(registration.primary)} tests; register 1 to 5")
+        raise ConfigError(f"{path}: [studies], [invariance], [rounding] and [notes] hold text values only")
+    if not 1 <= len(registration.primary) <= MOST_PRIMARY_TESTS:
+        raise ConfigError(
+            f"{path}: the primary family holds {len(registration.primary)} tests; register 1 to {MOST_PRIMARY_TESTS}"
+        )
+    if registration.same_machine not in ("study", "seed"):
+        raise ConfigError(f"{path}: same_machine is 'study' or 'seed', got {registration.same_machine!r}")
     for test in registration.primary + registration.equivalence:
         for name in (test.study, test.growth_from) if test.growth_from else (test.study,):
             if name not in registration.studies:
@@ -111,10 +123,14 @@ def read_registration(path: Path) -> Registration:
         if any(isinstance(v, bool) or not isinstance(v, int | float) or v < 0 for v in numbers.values()):
             raise ConfigError(f"{path}: test {test.name!r}: {numbers} must be numbers, 0 or more")
     where = registration.invariance
-    if set(where) != {"study", "pos", "variant", "rounding"} or not {where["study"], where["rounding"]} <= set(
-        registration.studies
+    if where and (
+        set(where) != {"study", "pos", "variant", "rounding"}
+        or not {where["study"], where["rounding"]} <= set(registration.studies)
     ):
         raise ConfigError(f"{path}: [invariance] names a study, pos, variant and its rounding study, got {where}")
+    rounding = registration.rounding
+    if rounding and (set(rounding) != {"study", "rerun"} or not set(rounding.values()) <= set(registration.studies)):
+        raise ConfigError(f"{path}: [rounding] names a study and its rerun, two of [studies], got {rounding}")
     return registration
 
 
@@ -375,10 +391,11 @@ def decide_family(results: dict[str, dict], alpha: float, growth: set[str]) -> N
         r["robust"] = bool(adjusted_rank[name] < alpha) if r["rank_reachable"] else None
 
 
-def check_one_machine(read: dict) -> None:
-    """Every run of every study on one CPU model, and each study's runs on its own thread count: a difference
-    in either changes the order of float sums, which training amplifies (a seed whose runs span two machines is
-    trained again on the study's)."""
+def check_one_machine(read: dict, same_machine: str = "study") -> None:
+    """Every run of every study on one CPU model (same_machine "study"), or the runs of each study's seed on one
+    (same_machine "seed": the paired effects then compare runs of one machine, and only the spread between seeds
+    holds the machines' rounding); each study's runs on its own thread count. Either difference changes the
+    order of float sums, which training amplifies (a seed whose runs span two machines is trained again)."""
     machines: dict[str, list[str]] = {}
     for name, (study, runs, _) in read.items():
         for pos, variants in runs.items():
@@ -390,6 +407,18 @@ def check_one_machine(read: dict) -> None:
                         raise ConfigError(
                             f"{where} ran on {result.get('threads')} threads, not the study's {study.threads}"
                         )
+    if same_machine == "seed":
+        for name, (_, runs, _) in read.items():
+            for pos, variants in runs.items():
+                seeds = {seed for by_seed in variants.values() for seed in by_seed}
+                for seed in seeds:
+                    on = {r[seed].get("trained_on", "unknown") for r in variants.values() if seed in r}
+                    if len(on) > 1:
+                        raise ConfigError(
+                            f"{name}: {pos}/seed{seed}'s runs were trained on {len(on)} machines "
+                            f"({', '.join(sorted(on))}); train the seed's runs again on one"
+                        )
+        return
     if len(machines) > 1:
         fewest = min(machines, key=lambda m: len(machines[m]))
         raise ConfigError(
@@ -400,7 +429,7 @@ def check_one_machine(read: dict) -> None:
 
 def decide(registration: Registration, read: dict) -> dict:
     """Every registered decision, from the studies' runs (`read`: study name -> read_study's answer)."""
-    check_one_machine(read)
+    check_one_machine(read, registration.same_machine)
     primary = {}
     for test in registration.primary:
         after = cell(read[test.study], test.pos, test.variant)
@@ -423,7 +452,24 @@ def decide(registration: Registration, read: dict) -> dict:
     for name, r in equivalence.items():
         r["p_holm"] = adjusted[name]
         r["verdict"] = "negligible" if adjusted[name] < registration.alpha else "not shown negligible"
-    return {"primary": primary, "equivalence": equivalence, "invariance": invariance(registration, read)}
+    checks = {"invariance": invariance(registration, read)} if registration.invariance else {}
+    if registration.rounding:
+        checks["rounding"] = rounding(registration, read)
+    return {"primary": primary, "equivalence": equivalence, **checks}
+
+
+def rounding(registration: Registration, read: dict) -> dict:
+    """How far the rerun moved the study's reference runs, per position kind, seed and endpoint."""
+    study, rerun = (read[registration.rounding[k]] for k in ("study", "rerun"))
+    moved = {}
+    for pos in rerun[1]:
+        for seed, result in rerun[1][pos]["reference"].items():
+            first = endpoints(study[1][pos]["reference"][seed], study[0], study[2])
+            again = endpoints(result, rerun[0], rerun[2])
+            moved[f"{pos}/seed{seed}"] = {
+                n: again[n] - first[n] for n in ROUNDING_ENDPOINTS if n in first and n in again
+            }
+    return moved
 
 
 def invariance(registration: Registration, read: dict) -> dict:
@@ -474,11 +520,37 @@ def primary_rows(decided: dict, alpha: float) -> list[list]:
     return rows
 
 
+def invariance_lines(registration: Registration, decided: dict) -> list[str]:
+    if "invariance" not in decided:
+        return []
+    rows = [
+        [
+            ENDPOINT_NAMES[n],
+            ", ".join(f"{d:+.2e}" for d in r["differences"]),
+            ", ".join(f"{d:.2e}" for d in r["rounding"]),
+            r["verdict"],
+        ]
+        for n, r in decided["invariance"].items()
+    ]
+    header = ["endpoint", "differences to the reference", "the rerun moved the reference", "verdict"]
+    title = f"## Invariance: differences against the thread-count rerun's (x{registration.invariance_factor:g})"
+    return [title, "", *markdown_table(header, rows), ""]
+
+
+def rounding_lines(decided: dict) -> list[str]:
+    if "rounding" not in decided:
+        return []
+    names = [n for n in ROUNDING_ENDPOINTS if any(n in moved for moved in decided["rounding"].values())]
+    rows = [[run] + [f"{moved[n]:+.2e}" for n in names] for run, moved in decided["rounding"].items()]
+    header = ["reference run", *(ENDPOINT_NAMES[n] for n in names)]
+    return ["## Rounding: how far the rerun moved the reference", "", *markdown_table(header, rows), ""]
+
+
 def report(registration: Registration, decided: dict) -> str:
     header = ["test", "seeds", "verdict", "effect [95% CI], nats", "% of the reference", "Holm p", "rank test, Holm p"]
     header += ["whole documents from the 2nd token [95% CI]", "over documents (bootstrap 95%)"]
     lines = [
-        "# The confirmatory study: its registered decisions",
+        f"# {registration.title}: its registered decisions",
         "",
         f"Primary family: Holm over {len(registration.primary)} difference tests at family-wise alpha "
         f"{registration.alpha}. Effects are the variant's loss minus the reference's (positive: switching "
@@ -497,21 +569,8 @@ def report(registration: Registration, decided: dict) -> str:
             ],
         ),
         "",
-        f"## Invariance: differences against the thread-count rerun's (x{registration.invariance_factor:g})",
-        "",
-        *markdown_table(
-            ["endpoint", "differences to the reference", "the rerun moved the reference", "verdict"],
-            [
-                [
-                    ENDPOINT_NAMES[n],
-                    ", ".join(f"{d:+.2e}" for d in r["differences"]),
-                    ", ".join(f"{d:.2e}" for d in r["rounding"]),
-                    r["verdict"],
-                ]
-                for n, r in decided["invariance"].items()
-            ],
-        ),
-        "",
+        *invariance_lines(registration, decided),
+        *rounding_lines(decided),
         "## As registered",
         "",
         *plan_lines(registration),

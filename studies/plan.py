@@ -47,11 +47,14 @@ DIFFERENCE_ENDPOINTS = (
     "late",
     "val_doc_loss",
     "from_second",
+    "in_context",
+    "bpb",
+    "bpb_in_context",
     "doc_weighted",
     "first_token",
     "early_own_start",
 )
-WHOLE_DOCUMENT_ENDPOINTS = ("val_doc_loss", "from_second", "doc_weighted")  # their margin: margin_doc_loss
+WHOLE_DOCUMENT_ENDPOINTS = ("val_doc_loss", "from_second", "in_context", "doc_weighted")  # margin: margin_doc_loss
 
 
 @dataclass

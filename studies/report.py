@@ -70,6 +70,9 @@ def endpoints(result: dict, study: Study, offsets: list[int]) -> dict[str, float
         # runs from before the marker scored only these targets: their val_doc_loss is this
         "from_second": result.get("val_doc_loss_from_second", result["val_doc_loss"]),
         "doc_weighted": float(np.mean(per_document)) if per_document else None,
+        "in_context": result.get("val_doc_loss_in_context"),  # the same targets, after the documents before
+        "bpb": result.get("val_doc_bpb_from_second"),
+        "bpb_in_context": result.get("val_doc_bpb_in_context"),
         "first_token": result.get("val_first_token_loss"),
         "offset_effect": result["offset_loss"][str(max(offsets))] - result["offset_loss"]["1"],
         "contamination": result["after_other"] - result["offset_loss"]["1"],
@@ -208,6 +211,9 @@ ENDPOINT_NAMES = {
     "val_doc_loss": "val_doc_loss",
     "from_second": "val_doc_loss from the second token",
     "doc_weighted": "document-weighted loss",
+    "in_context": "val_doc_loss from the second token, in context",
+    "bpb": "bits per byte from the second token",
+    "bpb_in_context": "bits per byte from the second token, in context",
     "first_token": "first token (from the BOS)",
     "early_own_start": "early band, own start",
     "offset_effect": "offset effect",

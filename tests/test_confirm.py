@@ -301,7 +301,7 @@ def registration_text(n_primary: int, study: str = "rung3", extra: str = "") -> 
 @pytest.mark.parametrize(
     "text, words",
     [
-        (registration_text(6), "the primary family holds 6 tests; register 1 to 5"),
+        (registration_text(13), "the primary family holds 13 tests; register 1 to 12"),
         (registration_text(0), "the primary family holds 0 tests"),
         (registration_text(2, study="rung9"), "names study 'rung9'"),
         (registration_text(1, extra="alpah = 0.05\n"), "unexpected keyword argument 'alpah'"),
