@@ -93,7 +93,8 @@ class Study:
     late_band: list[int] = setting([], "[first, last + 1) positions of the late band ([]: none)", minimum=0)
     primary: dict[str, list[str]] = setting(
         {},
-        "primary endpoints of these variants (others: their flag's default, e.g. no_doc_mask = early); "
+        "primary endpoints of these variants ([]: none, a study another one's registration reads; others: their "
+        "flag's default, e.g. no_doc_mask = early); "
         f"endpoints: {', '.join(DIFFERENCE_ENDPOINTS)}",
     )
     margin_band: float = setting(
@@ -141,7 +142,7 @@ class Study:
             if variant not in self.variants or variant == "reference":
                 raise ConfigError(f"primary names {variant!r}, which is not a variant this study runs")
             unknown = [n for n in names if n not in DIFFERENCE_ENDPOINTS]
-            if unknown or not names:
+            if unknown:
                 raise ConfigError(
                     f"primary.{variant}={names}: choose endpoints among {', '.join(DIFFERENCE_ENDPOINTS)}"
                 )

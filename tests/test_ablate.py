@@ -330,6 +330,10 @@ def test_the_edges_of_what_a_study_may_ask_are_accepted():
     invariant_on_one_seed = plan.Study(variants=["reference", "no_reset_position_ids"], invariance_seeds=1)
     invariant_on_one_seed.validate()
     plan.check_against(invariant_on_one_seed, Config(seq_len=1024))  # judged by its tolerance, not a t-test
+    # a rerun that another study's registration reads has no tests of its own, so one seed serves
+    rerun = plan.Study(variants=["reference", "naive"], seeds=1, primary={"naive": []})
+    rerun.validate()
+    plan.check_against(rerun, Config(seq_len=1024))
 
 
 @pytest.mark.parametrize(
