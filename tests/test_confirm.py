@@ -483,3 +483,39 @@ def test_runs_from_another_machine_or_thread_count_are_refused_by_name(decided):
     one["rung3"] = (dataclasses.replace(STUDY, threads=1), *one["rung3"][1:])
     with pytest.raises(ConfigError, match="^rung3: learned/no_doc_mask/seed401 ran on 2 threads, not the study's 1$"):
         confirm.decide(registration, one)
+
+
+def copied(read: dict) -> dict:
+    return {name: (study, {p: {v: dict(s) for v, s in kinds.items()} for p, kinds in runs.items()}, offsets)
+            for name, (study, runs, offsets) in read.items()}  # fmt: skip
+
+
+def test_with_same_machine_seed_a_seeds_runs_share_a_machine_and_seeds_may_differ(decided):
+    """same_machine = "seed": a paired effect compares two runs of one machine; another seed may come from
+    another machine (a study that spans sessions), but a seed split across two is refused by name."""
+    registration, read, _ = decided
+    per_seed = dataclasses.replace(registration, same_machine="seed")
+    one = copied(read)
+    for variant in ("reference", "no_doc_mask", "no_reset_position_ids"):  # seed 401's learned runs moved
+        one["rung3"][1]["learned"][variant][401] = dict(one["rung3"][1]["learned"][variant][401], trained_on="B")
+    confirm.decide(per_seed, one)
+    with pytest.raises(ConfigError, match="2 machines"):
+        confirm.decide(registration, one)  # the whole study on one, as the confirmatory study registered
+    one["rung3"][1]["learned"]["reference"][401] = dict(one["rung3"][1]["learned"]["reference"][401], trained_on="C")
+    with pytest.raises(ConfigError, match=r"^rung3: learned/seed401's runs were trained on 2 machines \(B, C\)"):
+        confirm.decide(per_seed, one)
+
+
+def test_the_rounding_rerun_reports_how_far_it_moved_each_reference_and_invariance_may_be_absent(decided):
+    registration, read, _ = decided
+    rerun_only = dataclasses.replace(registration, invariance={}, rounding={"study": "rung3", "rerun": "rounding"})
+    result = confirm.decide(rerun_only, read)
+    assert "invariance" not in result
+    first = report.endpoints(read["rung3"][1]["rope"]["reference"][400], STUDY, OFFSETS)
+    again = report.endpoints(read["rounding"][1]["rope"]["reference"][400], STUDY, OFFSETS)
+    assert result["rounding"]["rope/seed400"]["early"] == pytest.approx(again["early"] - first["early"])
+    assert result["rounding"]["rope/seed400"]["from_second"] == pytest.approx(
+        again["from_second"] - first["from_second"]
+    )
+    assert confirm.invariance_lines(rerun_only, result) == []
+    assert confirm.rounding_lines(result)[0] == "## Rounding: how far the rerun moved the reference"
