@@ -12,7 +12,7 @@ from config import Config, eval_token_budget, warmup_steps
 from data import Batch, Flags, make_batch
 from model import GPT, GPTConfig
 
-__all__ = ["batch_of_rows", "losses", "parameter_count", "precision", "resolved", "run"]
+__all__ = ["batch_of_rows", "fresh_model", "losses", "parameter_count", "precision", "resolved", "run", "training_step"]
 
 
 def run(cfg: Config) -> dict:
@@ -50,3 +50,18 @@ def parameter_count(cfg: Config, vocab_size: int) -> int:
 def resolved(cfg: Config) -> tuple[int, int]:
     """(warmup steps, validation tokens) a run of `cfg` on one process uses where they are left automatic."""
     return warmup_steps(cfg), eval_token_budget(cfg)
+
+
+def fresh_model(cfg: Config, vocab_size: int) -> tuple[GPT, torch.optim.Optimizer]:
+    """The model and optimizer a run of `cfg` starts from (the seed's init), on the CPU."""
+    torch.manual_seed(cfg.seed)
+    model = GPT(train.model_settings(cfg, vocab_size))
+    return model, train.optimizer_for(model, cfg)
+
+
+def training_step(model: torch.nn.Module, optimizer, batch: Batch, precision, config: GPTConfig) -> float:
+    """One step of train.py's loss and AdamW at the optimizer's learning rate; returns the loss."""
+    loss = train.accumulate_gradients(model, [batch], precision, config)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()

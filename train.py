@@ -220,11 +220,14 @@ def build_model(cfg: Config, run: RunData, session: Session, start: Pretrained |
         start.load_into(model, run.tokenizer)
     if session.world_size > 1:
         torch.manual_seed(cfg.seed + session.rank)  # the same init everywhere, different dropout masks per process
+    return model, optimizer_for(model, cfg)
+
+
+def optimizer_for(model: GPT, cfg: Config) -> torch.optim.AdamW:
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     others = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": matrices, "weight_decay": cfg.weight_decay}, {"params": others, "weight_decay": 0.0}]
-    fused = session.device.type == "cuda"
-    return model, torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=next(model.parameters()).is_cuda)
 
 
 def autocast(device: torch.device, dtype: str = "auto"):
@@ -286,10 +289,8 @@ def load_data(cfg: Config, session: Session) -> RunData:
     )
     val_packed, val_alone = validation_sets(val, eot_id, cfg, bos_id)
     tokenizer = shards.with_start_marker(enc, bos_id)
-    token_bytes = torch.from_numpy(shards.token_bytes(tokenizer)).to(session.device)
-    return RunData(
-        shard_path, prepared.meta, eot_id, tokenizer, train_rows, val_packed, val_alone, len(val), token_bytes
-    )
+    n_bytes = torch.from_numpy(shards.token_bytes(tokenizer)).to(session.device)
+    return RunData(shard_path, prepared.meta, eot_id, tokenizer, train_rows, val_packed, val_alone, len(val), n_bytes)
 
 
 def prepared_data(cfg: Config, session: Session) -> tuple[Path, shards.Shards]:
