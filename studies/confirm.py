@@ -4,6 +4,9 @@
     python -m studies.confirm configs/confirm.toml            # the decisions, once its studies have run
     python -m studies.confirm configs/confirm.toml --studies_dir=results --out_dir=results/confirm
                                                               # from the committed studies, into the committed report
+    python -m studies.confirm configs/practitioner_gpu.toml --run --dataset=docs.parquet
+                                                              # train every study (any --key=value is passed to
+                                                              # each, and read with it), then decide
 
 The study is several `python -m studies.ablate` studies (two training lengths, and a rerun at another thread
 count), decided together by the families that the registration (configs/confirm.toml) names, never by each
@@ -47,6 +50,7 @@ from studies.report import ENDPOINT_NAMES, endpoints, saved_runs, settings_chang
 from studies.tables import markdown_table
 
 ROUNDING_ENDPOINTS = ("early", "late", "from_second", "in_context")
+OPTIONS = ("plan", "studies_dir", "out_dir", "run")
 MOST_PRIMARY_TESTS = 12  # Holm keeps the family-wise error at any size; power is what a large family costs
 
 
@@ -234,10 +238,11 @@ def plan_lines(registration: Registration) -> list[str]:
 # Reading the studies
 
 
-def read_study(config: str, studies_dir: Path | None) -> tuple[Study, dict, list[int]]:
-    """A study's settings, its runs (position kind -> variant -> seed -> result) and probe offsets, from its
-    results.json (in its out_dir, or in studies_dir under the out_dir's last part)."""
-    study, base = parse_args([config])
+def read_study(config: str, studies_dir: Path | None, overrides: tuple[str, ...] = ()) -> tuple[Study, dict, list[int]]:
+    """A study's settings (with the --key=value `overrides` it ran with), its runs (position kind -> variant ->
+    seed -> result) and probe offsets, from its results.json (in its out_dir, or in studies_dir under the
+    out_dir's last part)."""
+    study, base = parse_args([config, *overrides])
     folder = Path(study.out_dir) if studies_dir is None else studies_dir / Path(study.out_dir).name
     path = folder / "results.json"
     if not path.is_file():
@@ -583,17 +588,21 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip())
         return 0 if argv else 2
     options = dict(a.removeprefix("--").split("=", 1) if "=" in a else (a.removeprefix("--"), "") for a in argv[1:])
-    unknown = set(options) - {"plan", "studies_dir", "out_dir"}
+    overrides = tuple(a for a in argv[1:] if a.removeprefix("--").split("=")[0] not in OPTIONS)
     try:
-        if unknown:
-            raise ConfigError(f"unknown option(s) {', '.join(sorted(unknown))}: see python -m studies.confirm --help")
+        if overrides and "run" not in options:
+            unknown = ", ".join(a.removeprefix("--") for a in overrides)
+            raise ConfigError(f"unknown option(s) {unknown}: see python -m studies.confirm --help")
         registration = read_registration(Path(argv[0]))
         if "plan" in options:
             print("\n".join(plan_lines(registration)))
             return 0
         studies_dir = Path(options["studies_dir"]) if options.get("studies_dir") else None
         out = Path(options.get("out_dir") or "out/confirm")
-        read = {name: read_study(config, studies_dir) for name, config in registration.studies.items()}
+        if "run" in options:
+            check_writable_folder(out, "out_dir")  # before hours of training, not after
+            run_studies(registration, overrides)
+        read = {name: read_study(config, studies_dir, overrides) for name, config in registration.studies.items()}
         decided = decide(registration, read)
         text = report(registration, decided)
         check_writable_folder(out, "out_dir")
@@ -604,6 +613,17 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_studies(registration: Registration, overrides: tuple[str, ...]) -> None:
+    """Every study of the registration in turn, as `python -m studies.ablate CONFIG [overrides]` runs it: finished
+    runs are kept, so the same command continues a stopped registration."""
+    from studies import ablate  # training: only with --run
+
+    for name, config in registration.studies.items():
+        print(f"\n===== study {name}: python -m studies.ablate {config} {' '.join(overrides)}".rstrip(), flush=True)
+        if ablate.main([config, *overrides]) != 0:
+            raise ConfigError(f"study {name} ({config}) did not finish: its error is above")
 
 
 if __name__ == "__main__":

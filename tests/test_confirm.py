@@ -4,6 +4,7 @@ studies/stats.py), pinned against scipy's own tests, simulation and the publishe
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -519,3 +520,30 @@ def test_the_rounding_rerun_reports_how_far_it_moved_each_reference_and_invarian
     )
     assert confirm.invariance_lines(rerun_only, result) == []
     assert confirm.rounding_lines(result)[0] == "## Rounding: how far the rerun moved the reference"
+
+
+@pytest.mark.slow
+def test_the_gpu_registration_trains_and_decides_end_to_end_at_a_tiny_size_on_the_cpu(tiny_corpus, tmp_path):
+    """configs/practitioner_gpu.toml with one command: its three studies trained (the sizes, the device and the
+    precision overridden; every other setting, compile and the analysis as registered), then its ten tests."""
+    tiny = [
+        f"--dataset={tiny_corpus}", f"--data_dir={tmp_path / 'data'}", "--device=cpu", "--dtype=float32",
+        "--tokenizer_vocab_size=300", "--val_fraction=0.1", "--seq_len=128", "--n_layer=1", "--n_head=2", "--n_embd=16",
+        "--batch_size=2", "--max_iters=2", "--warmup_iters=1", "--eval_interval=2", "--eval_tokens=512",
+        "--seeds=2", "--probe_docs=4", "--late_band=64,127",
+    ]  # fmt: skip
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    out = tmp_path / "decided"
+    done = subprocess.run(
+        [sys.executable, "-m", "studies.confirm", "configs/practitioner_gpu.toml", "--run", f"--out_dir={out}", *tiny],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    decided = json.loads((out / "confirm.json").read_text())
+    assert len(decided["primary"]) == 10 and all("verdict" in r for r in decided["primary"].values())
+    assert decided["primary"]["trend, 13M to 42M, alone"]["seeds"] == "2 + 2"
+    for size in ("13m", "42m", "110m"):
+        results = json.loads((tmp_path / "out" / f"practitioner_gpu_{size}" / "results.json").read_text())
+        runs = list((tmp_path / "out" / f"practitioner_gpu_{size}").rglob("result.json"))
+        assert len(runs) == 4 and "rope/naive" in results["summary"]
+        assert all("val_doc_loss_in_context" in json.loads(r.read_text())["result"] for r in runs)
