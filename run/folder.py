@@ -10,7 +10,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
 from errors import ConfigError, SaveFailed
@@ -18,8 +18,8 @@ from errors import ConfigError, SaveFailed
 
 @contextmanager
 def exclusive_lock(path: Path, on_busy: Callable[[str], None] | None = None) -> Iterator[None]:
-    """An exclusive lock on `path` for the with-block. Held by another process: on_busy(its pid) and wait, or
-    without on_busy raise BlockingIOError(its pid)."""
+    """An exclusive lock on `path` for the with-block. Held by another process: on_busy(lock_holder's words) and
+    wait, or without on_busy raise BlockingIOError(lock_holder's words)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
@@ -37,37 +37,33 @@ def exclusive_lock(path: Path, on_busy: Callable[[str], None] | None = None) -> 
 
 
 def lock_holder(fd: int) -> str:
-    """The process holding the lock on this file: the pid its holder wrote in it, while that process has the
-    file open; else the one /proc/locks names (Linux), else the written pid. /proc/locks can name a
-    short-lived child that inherited the descriptor, and a written pid can be an earlier holder's."""
+    """Who holds the lock on this file: "process N", or "an unknown process". The pid written in it (an earlier
+    holder's, once that one is gone) and the one /proc/locks names (the locker: maybe a child that left the lock to
+    its parent, as `flock` in a shell does) count only while they have the file open; else the one other that has."""
     stat = os.fstat(fd)
-    written = os.pread(fd, 32, 0).decode(errors="replace").strip()
-    if written.isdigit() and _has_open(int(written), stat):
-        return written
+    named = [os.pread(fd, 32, 0).decode(errors="replace").strip()]
     device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
-    try:
-        for line in Path("/proc/locks").read_text().splitlines():
-            fields = line.split()
+    with suppress(OSError):
+        for fields in (line.split() for line in Path("/proc/locks").read_text().splitlines()):
             if "->" not in fields and "FLOCK" in fields and device in fields:  # "->" marks a waiting process
-                return fields[fields.index(device) - 1]
-    except OSError:
-        pass
-    return written or "unknown"
+                named.append(fields[fields.index(device) - 1])
+    holder = next((pid for pid in named if pid.isdigit() and _has_open(pid, stat)), None)
+    if holder is None:  # another user's processes may be unreadable: then the holder stays unknown
+        others = {p.name for p in Path("/proc").glob("[0-9]*") if _has_open(p.name, stat)} - {str(os.getpid())}
+        holder = others.pop() if len(others) == 1 else None
+    return f"process {holder}" if holder else "an unknown process"
 
 
-def _has_open(pid: int, stat: os.stat_result) -> bool:
+def _has_open(pid: str, stat: os.stat_result) -> bool:
     """Whether process `pid` has the file of `stat` open (False where /proc cannot tell)."""
     try:
-        descriptors = list(Path(f"/proc/{pid}/fd").iterdir())
+        descriptors = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return False
     for descriptor in descriptors:
-        try:
-            target = descriptor.stat()
-        except OSError:
-            continue
-        if (target.st_dev, target.st_ino) == (stat.st_dev, stat.st_ino):
-            return True
+        with suppress(OSError):  # closed since it was listed
+            if os.path.samestat(os.stat(f"/proc/{pid}/fd/{descriptor}"), stat):
+                return True
     return False
 
 
@@ -129,7 +125,7 @@ def hold(out_dir: Path, resume: bool, overwrite: bool) -> Iterator[None]:
             held.enter_context(exclusive_lock(out_dir / ".lock"))
         except BlockingIOError as e:
             raise ConfigError(
-                f"{out_dir} is in use by another run (process {e.args[0]}); wait for it or pick another out_dir"
+                f"{out_dir} is in use by another run ({e.args[0]}); wait for it or pick another out_dir"
             ) from None
         except OSError as e:
             raise ConfigError(

@@ -178,7 +178,7 @@ def run_one(cfg: Config, study: Study, decided: dict, offsets: list[int], wait: 
         return json.loads(done.read_text())["result"]
     out.mkdir(parents=True, exist_ok=True)
     with ExitStack() as held:  # the run's lock, through its probes: one process of a study takes each run
-        on_busy = (lambda pid: print(f"waiting for process {pid}, which trains {out}", flush=True)) if wait else None
+        on_busy = (lambda holder: print(f"waiting for {holder}, which trains {out}", flush=True)) if wait else None
         try:
             held.enter_context(exclusive_lock(out / "study.lock", on_busy))
         except BlockingIOError:

@@ -95,11 +95,52 @@ def test_a_lock_refusal_names_the_process_that_wrote_its_pid_not_a_child_listed_
             return real_read_text(path, *args, **kwargs)
 
         monkeypatch.setattr(Path, "read_text", proc_locks_naming_a_child)
-        assert lock_holder(fd) == str(os.getpid())
-        os.pwrite(fd_rw := os.open(lock, os.O_RDWR), b"999998", 0)  # a holder that is gone: /proc/locks decides
-        assert lock_holder(fd) == "999999"
+        assert lock_holder(fd) == f"process {os.getpid()}"
+        os.pwrite(fd_rw := os.open(lock, os.O_RDWR), b"999998", 0)  # a holder that is gone, and /proc/locks names
+        assert lock_holder(fd) == "an unknown process"  # one that is not running: no other process has it open
         os.close(fd_rw)
         os.close(fd)
+
+
+# A holder as `( exec 9>>RUN/.lock; flock -x 9; exec sleep 120 ) &` makes one: a child takes the lock on the
+# inherited descriptor and exits, and its parent holds it on. With "2", a second process keeps the file open too.
+LOCKED_BY_A_CHILD = """import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+if os.fork() == 0:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os._exit(0)
+os.wait()
+if sys.argv[2] == "2" and os.fork() == 0:
+    time.sleep(60)
+    os._exit(0)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("openers", [1, 2])
+def test_a_lock_left_by_a_child_that_exited_names_its_holder_or_says_it_is_unknown(tmp_path, openers):
+    import os
+    import signal
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / ".lock").write_text(str(gone.pid))  # an earlier run's pid: not running now
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCKED_BY_A_CHILD, str(tmp_path / ".lock"), str(openers)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        named = f"process {holder.pid}" if openers == 1 else "an unknown process"
+        with pytest.raises(ConfigError, match=rf"is in use by another run \({named}\); wait for it"):
+            with hold(tmp_path, resume=False, overwrite=False):
+                pass
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
 
 
 # ---- results written whole, never in place of what is not a regular file
