@@ -10,8 +10,9 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from pathlib import Path
+from typing import BinaryIO
 
 from errors import ConfigError, SaveFailed
 
@@ -79,28 +80,31 @@ def check_writable_folder(folder: Path, what: str) -> None:
 
 
 def replace_atomically(
-    path: Path, write: Callable[[Path], None], failed: str = "could not write {path} ({reason})"
+    path: Path, write: Callable[[BinaryIO], object], failed: str = "could not write {path} ({reason})"
 ) -> None:
-    """write(this process's temporary file), then rename it over `path`: an interrupt or a full disk leaves the
-    previous file, never half of one; a failure is SaveFailed(`failed`). The one way results are written."""
+    """write(a binary file open on this process's temporary file), then rename it over `path`: an interrupt or a
+    full disk leaves the previous file, never half of one; a failure is SaveFailed(`failed`). The one way results
+    are written: through a Python file, whose failed write is the OSError itself (No space left on device), where
+    torch.save given a path says only "[enforce fail at inline_container.cc:672]"."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     for target in (path, tmp):  # a rename would replace a device, a FIFO or a folder's entry: never do that
         if (target.exists() or target.is_symlink()) and not target.is_file():
             raise SaveFailed(failed.format(path=path, reason=f"{target} exists and is not a regular file"))
     try:
-        write(tmp)
+        with open(tmp, "wb") as file:
+            write(file)
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+    except BaseException as e:  # a second Ctrl-C mid-write too: the previous file stays, nothing half-written
         tmp.unlink(missing_ok=True)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        if not isinstance(e, (OSError, RuntimeError)):
+            raise
+        cause = e if isinstance(e, OSError) else e.__context__  # torch's writer raises RuntimeError from the OSError
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(e).splitlines()[0]
         raise SaveFailed(failed.format(path=path, reason=reason)) from None
-    except BaseException:  # a second Ctrl-C mid-write: the previous file stays, nothing half-written
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def write_atomically(path: Path, text: str) -> None:
-    replace_atomically(path, lambda tmp: tmp.write_text(text))
+    replace_atomically(path, lambda file: file.write(text.encode()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,7 +143,7 @@ def hold(out_dir: Path, resume: bool, overwrite: bool) -> Iterator[None]:
         yield
 
 
-class RunFiles:
+class RunFiles(AbstractContextManager):
     """Where a run writes its files. A new run in a folder holding another run writes to out_dir/.replacing/
     until its first checkpoint, then moves its files in, the checkpoint last: stopped before, it leaves the
     old run as it was. Settings and checkpoint carry the run id, so a folder left mixed is refused."""
@@ -166,9 +170,6 @@ class RunFiles:
                 os.replace(self.staging / name, self.out_dir / name)  # the checkpoint last
             self.folder = self.out_dir
             shutil.rmtree(self.staging, ignore_errors=True)
-
-    def __enter__(self) -> RunFiles:
-        return self
 
     def __exit__(self, *exc) -> None:  # a run that ends before its first checkpoint: the old run stays
         if self.folder == self.staging:
@@ -209,11 +210,16 @@ class MetricsFile:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        path = self.files.path("metrics.jsonl")
+        path, line = self.files.path("metrics.jsonl"), memoryview((json.dumps(record) + "\n").encode())
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        size = os.fstat(fd).st_size
         try:
-            with open(path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        except OSError as e:  # a full disk, a file-size limit: one line, as for a checkpoint
+            while line:
+                line = line[os.write(fd, line) :]
+        except OSError as e:  # a full disk, a file-size limit: the log ends where it did, and one line says so
+            os.ftruncate(fd, size)  # a write can take part of the line before it fails
             raise SaveFailed(f"could not write {path} ({e.strerror or e})") from None
+        finally:
+            os.close(fd)
         if self.mirror is not None:
             self.mirror(record)

@@ -44,7 +44,7 @@ from studies.tables import markdown_table
 
 
 def save_figure(figure, path: Path) -> None:
-    """A matplotlib figure, written atomically."""
+    """A matplotlib figure, written atomically (in the format its name's suffix says)."""
     replace_atomically(path, functools.partial(figure.savefig, format=path.suffix[1:], dpi=110, bbox_inches="tight"))
 
 

@@ -180,6 +180,24 @@ def test_a_result_that_cannot_be_written_is_one_line(tmp_path):
         MetricsFile(run_files, resume_step=None)
 
 
+def test_a_metrics_record_that_does_not_fit_leaves_the_log_as_it_was(tmp_path):
+    """A full disk or a file-size limit can take part of a line before the write fails: the log keeps its whole
+    lines only (a file-size limit here: the kernel writes up to it, then refuses)."""
+    import resource
+
+    metrics = MetricsFile(RunFiles(tmp_path, "id", fresh=False), resume_step=None)
+    metrics.write({"step": 1, "train_loss": 5.0})
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) + 10, hard))  # room for 10 bytes of the next line
+    try:
+        with pytest.raises(SaveFailed, match=r"could not write .*metrics.jsonl \(File too large\)"):
+            metrics.write({"step": 2, "train_loss": 4.0, "lr": 0.001})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ckpt.pt", "config.json", "metrics.jsonl"])
 def test_a_folder_where_a_run_file_belongs_is_the_same_one_line_in_every_mode(trained, tmp_path, name):
@@ -286,7 +304,7 @@ def test_overwriting_replaces_the_old_run_only_once_the_new_one_has_a_checkpoint
         train.train(parse_config(overwrite + [f"--dataset={tmp_path / 'missing.jsonl'}"]))
     assert contents(run) == before
 
-    def full_disk(path, state):
+    def full_disk(path, state, kept):
         raise SaveFailed(f"could not save the checkpoint {path} (No space left on device)")
 
     monkeypatch.setattr(checkpoints, "save_checkpoint", full_disk)
