@@ -198,6 +198,40 @@ def test_a_metrics_record_that_does_not_fit_leaves_the_log_as_it_was(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
 
 
+@pytest.mark.parametrize("writer", ["weights", "tokenizer"])
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_the_earlier_export(trained, tmp_path, monkeypatch, writer):
+    """safetensors and tokenizers write in Rust and raise their own exceptions for the OS's error."""
+    import safetensors.torch
+    import transformers
+    from safetensors import SafetensorError
+
+    import export_hf
+
+    def full(path, text: str, error: type[Exception]) -> None:
+        Path(path).write_bytes(b"{")  # the file's first bytes are written
+        raise error(text)
+
+    if writer == "weights":
+        text = "Error while serializing: I/O error: No space left on device (os error 28)"
+        monkeypatch.setattr(safetensors.torch, "save_file", lambda t, path, *a, **k: full(path, text, SafetensorError))
+    else:
+        monkeypatch.setattr(
+            transformers.PreTrainedTokenizerFast,
+            "save_pretrained",
+            lambda self, folder, **k: full(
+                Path(folder) / "tokenizer.json", "No space left on device (os error 28)", Exception
+            ),
+        )
+    to = tmp_path / "hf"
+    to.mkdir()
+    for name in ("config.json", "model.safetensors"):  # an earlier export, which --overwrite=true replaces
+        (to / name).write_text("earlier")
+    with pytest.raises(export_hf.ExportError, match=rf"^could not write {to} \(No space left on device\)$"):
+        export_hf.export(trained[0], to, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary folder left
+    assert {p.name: p.read_text() for p in to.iterdir()} == {"config.json": "earlier", "model.safetensors": "earlier"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ckpt.pt", "config.json", "metrics.jsonl"])
 def test_a_folder_where_a_run_file_belongs_is_the_same_one_line_in_every_mode(trained, tmp_path, name):
