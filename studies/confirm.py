@@ -115,7 +115,36 @@ def read_registration(path: Path) -> Registration:
         registration.studies
     ):
         raise ConfigError(f"{path}: [invariance] names a study, pos, variant and its rounding study, got {where}")
+    check_cells(registration, path)
     return registration
+
+
+def check_cells(registration: Registration, path: Path) -> None:
+    """Every cell the registration names is one its study runs (by the study's config), and a late band test's
+    study measures that band: refused here, before --plan or the decisions read anything else."""
+    studies = {name: parse_args([config])[0] for name, config in registration.studies.items()}
+    cells = {name: seeds_of_cells(study) for name, study in studies.items()}
+    where = registration.invariance
+    named = [
+        (f"test {t.name!r}", s, t.pos, t.variant)
+        for t in registration.primary + registration.equivalence
+        for s in (t.study, t.growth_from)
+        if s
+    ]
+    named += [("[invariance]", where[s], where["pos"], where["variant"]) for s in ("study", "rounding")]
+    for what, study, pos, variant in named:
+        if (pos, variant) not in cells[study]:
+            raise ConfigError(
+                f"{path}: {what} names {pos}/{variant}, a cell that study {study!r} ({registration.studies[study]}) "
+                f"does not run (it runs {', '.join(f'{p}/{v}' for p, v in cells[study])})"
+            )
+    for test in registration.primary + registration.equivalence:
+        if test.endpoint == "late" and not studies[test.study].late_band:
+            raise ConfigError(
+                f"{path}: test {test.name!r} is on the late band, which study {test.study!r} does not measure"
+            )
+        if test.plan_sd_from and len(test.plan_sd_from.split("/")) != 2:
+            raise ConfigError(f"{path}: test {test.name!r}: plan_sd_from={test.plan_sd_from!r} is not pos/variant")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -124,6 +153,11 @@ def read_registration(path: Path) -> Registration:
 
 def pilot_sd(registration: Registration, pilot_cell: str, endpoint: str) -> tuple[float, int]:
     """The sd of a pilot cell's per-seed effects on an endpoint, and its number of seeds."""
+    if not (registration.pilot and registration.pilot_config):
+        raise ConfigError(
+            f"a test is planned with the pilot's {pilot_cell} spread, but the registration names no pilot and "
+            "pilot_config: give them, or the test's plan_sd"
+        )
     study, base = parse_args([registration.pilot_config])
     offsets = sorted(set(study.probe_offsets) | {1, base.seq_len // 2})  # as studies.ablate probes them
     folder = Path(registration.pilot)
@@ -131,7 +165,14 @@ def pilot_sd(registration: Registration, pilot_cell: str, endpoint: str) -> tupl
     diffs = []
     for run in sorted((folder / pos / variant).glob("seed*/result.json")):
         reference = folder / pos / "reference" / run.parent.name / "result.json"
-        values = [endpoints(json.loads(p.read_text())["result"], study, offsets)[endpoint] for p in (run, reference)]
+        try:
+            values = [
+                endpoints(json.loads(p.read_text())["result"], study, offsets)[endpoint] for p in (run, reference)
+            ]
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a run or its reference missing, damaged, or
+            raise ConfigError(  # without the endpoint (a band that holds no scored target)
+                f"the pilot's {run.parent} and its reference give no {endpoint} to plan with ({type(e).__name__}: {e})"
+            ) from None
         diffs.append(values[0] - values[1])
     if len(diffs) < 2:
         raise ConfigError(f"{folder}: the pilot has {len(diffs)} finished {pilot_cell} run(s); its sd needs 2")

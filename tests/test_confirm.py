@@ -288,6 +288,9 @@ def test_a_diverged_run_is_never_within_rounding(decided):
 # The registration
 
 
+STUDIES_WITH_QUICK = '[studies]\nquick = "configs/compare.toml"\n'  # learned and RoPE, no_doc_mask, no late band
+
+
 def registration_text(n_primary: int, study: str = "rung3", extra: str = "") -> str:
     tests = "".join(
         f'[[primary]]\nname = "t{i}"\nstudy = "{study}"\npos = "learned"\nvariant = "no_doc_mask"\n'
@@ -316,6 +319,24 @@ def registration_text(n_primary: int, study: str = "rung3", extra: str = "") -> 
             "invariance must be a table",
         ),
         (registration_text(1).replace('rung3 = "configs/confirm_rung3.toml"', "rung3 = 3"), "hold text values only"),
+        # a cell its study does not run, named by a test, the study it grows from, or the invariance check
+        (registration_text(1).replace('variant = "no_doc_mask"', 'variant = "pad"'), "names learned/pad, a cell that"),
+        (
+            registration_text(1)
+            .replace("[studies]\n", '[studies]\nrung2 = "configs/confirm_rung2.toml"\n')  # learned positions only
+            .replace('pos = "learned"', 'pos = "rope"')
+            .replace("plan_sd = 0.05\n", 'plan_sd = 0.05\ngrowth_from = "rung2"\n'),
+            "names rope/no_doc_mask, a cell that study 'rung2' .configs/confirm_rung2.toml. does not run",
+        ),
+        (
+            registration_text(1).replace('variant = "no_reset_position_ids"', 'variant = "no_bos"'),
+            r"\[invariance\] names rope/no_bos, a cell that study",
+        ),
+        (
+            registration_text(1, study="quick").replace("[studies]\n", STUDIES_WITH_QUICK).replace('"early"', '"late"'),
+            "is on the late band, which study 'quick' does not measure",
+        ),
+        (registration_text(1).replace("plan_sd = 0.05", 'plan_sd_from = "learned"'), "is not pos/variant"),
     ],
 )
 def test_a_registration_that_cannot_be_decided_is_refused_in_one_line(tmp_path, capsys, text, words):
@@ -326,6 +347,33 @@ def test_a_registration_that_cannot_be_decided_is_refused_in_one_line(tmp_path, 
     assert confirm.main([str(path), "--plan"]) == 1
     error = capsys.readouterr().err
     assert error.startswith("error: ") and error.count("\n") == 1
+
+
+def test_a_pilot_that_cannot_plan_a_test_is_one_line(tmp_path, capsys):
+    """--plan reads the pilot's runs for a test without plan_sd: no pilot named, a run without its reference, or
+    an endpoint whose band holds no scored target there, each is one line."""
+    path, text = tmp_path / "confirm.toml", registration_text(1).replace("plan_sd = 0.05", "plan_sd = 0.0")
+    path.write_text(text)
+    assert confirm.main([str(path), "--plan"]) == 1
+    assert "names no pilot and pilot_config" in capsys.readouterr().err
+    pilot = tmp_path / "pilot" / "learned"
+    for seed in (0, 1):
+        (pilot / "no_doc_mask" / f"seed{seed}").mkdir(parents=True)
+        (pilot / "no_doc_mask" / f"seed{seed}" / "result.json").write_text(
+            json.dumps({"result": fake_result(4.0, 4.0, np.full(40, 4.0))})
+        )
+    path.write_text(f'pilot = "{tmp_path / "pilot"}"\npilot_config = "configs/confirm_rung3.toml"\n{text}')
+    for missing in ("its reference", "its early band's targets"):
+        if missing == "its early band's targets":  # the reference there, but no position below 16 scored
+            unscored = fake_result(4.0, 4.0, np.full(40, 4.0))
+            unscored["val_doc_count_by_position"][:16] = [0] * 16
+            for seed in (0, 1):
+                (pilot / "reference" / f"seed{seed}").mkdir(parents=True)
+                (pilot / "reference" / f"seed{seed}" / "result.json").write_text(json.dumps({"result": unscored}))
+        assert confirm.main([str(path), "--plan"]) == 1, missing
+        error = capsys.readouterr().err
+        assert error.startswith("error: the pilot's ") and "give no early to plan with" in error, error
+        assert error.count("\n") == 1
 
 
 def test_unknown_options_and_missing_results_are_one_line_errors(tmp_path, capsys):
