@@ -285,8 +285,19 @@ class Cell:
     reference: dict[int, dict]
     documents: dict[int, np.ndarray]  # seed -> (2, documents): from-second loss sums, counts
     reference_documents: dict[int, np.ndarray]
+    where: str = "the cell"  # the study's folder and the cell, for an error
+
+    def measures(self, endpoint: str) -> bool:
+        """Whether every run of the cell and its reference has the endpoint (a band that holds no scored target,
+        or one the study does not measure, has none)."""
+        return all(endpoint in values for values in (*self.values.values(), *self.reference.values()))
 
     def effects(self, endpoint: str) -> list[float]:
+        if not self.measures(endpoint):
+            raise ConfigError(
+                f"{self.where}: not every run and its reference has a {endpoint} value (a band that holds no scored "
+                "target in the validation documents, or one the study does not measure): nothing to decide on"
+            )
         return [self.values[s][endpoint] - self.reference[s][endpoint] for s in sorted(self.values)]
 
     def reference_mean(self, endpoint: str) -> float:
@@ -313,6 +324,7 @@ def cell(study_runs: tuple[Study, dict, list[int]], pos: str, variant: str) -> C
         {s: endpoints(reference[s], study, offsets) for s in mine},
         {s: from_second_by_document(r) for s, r in mine.items()},
         {s: from_second_by_document(reference[s]) for s in mine},
+        f"{study.out_dir}: {pos}/{variant}",
     )
 
 
@@ -479,6 +491,9 @@ def invariance(registration: Registration, read: dict) -> dict:
             cell(read[where["study"]], where["pos"], where["variant"]),
             cell(rerun, where["pos"], where["variant"]),
         ]
+        if not all(one.measures(name) for one in found):  # reported as empty, as every report does
+            checks[name] = {"differences": [], "rounding": [], "verdict": "not measured: no scored target"}
+            continue
         differences = [d for one in found for d in one.effects(name)]
         shared = sorted(set(found[0].reference) & set(found[1].reference))
         rounding = [abs(found[1].reference[s][name] - found[0].reference[s][name]) for s in shared]

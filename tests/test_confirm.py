@@ -274,6 +274,23 @@ def test_the_invariance_is_read_against_the_rerun_at_another_thread_count(decide
     assert late["verdict"] == "beyond rounding"  # 4e-3 > 3 x 1e-3
 
 
+def test_an_endpoint_the_runs_lack_is_one_line_and_the_invariance_reports_it_empty(decided, monkeypatch):
+    """Studies without a late band (or with one no validation document reaches): a test on it cannot be decided,
+    and the invariance check reports it as not measured, beside the endpoints it has."""
+    registration, read, before = decided
+    unbanded = {name: (plan.Study(), runs, offsets) for name, (_, runs, offsets) in read.items()}
+    words = "learned/no_reset_position_ids: not every run and its reference has a late value"
+    with pytest.raises(ConfigError, match=words):
+        confirm.decide(registration, unbanded)  # its equivalence test is on the late band
+    checks = confirm.invariance(registration, unbanded)
+    assert checks["late"] == {"differences": [], "rounding": [], "verdict": "not measured: no scored target"}
+    assert checks["early"] == before["invariance"]["early"]
+    monkeypatch.setattr(confirm, "plan_lines", lambda registration: [])  # its studies have no configs here
+    assert "| late band |  |  | not measured: no scored target |" in confirm.report(
+        registration, {**before, "invariance": checks}
+    )
+
+
 def test_a_diverged_run_is_never_within_rounding(decided):
     registration, read, _ = decided
     study, rounding, offsets = read["rounding"]
