@@ -204,7 +204,8 @@ def single_pieces(start: np.ndarray, length: np.ndarray) -> Rows:
 
 
 def concat_rows(documents: Documents, seq_len: int) -> Rows:
-    """Contiguous, non-overlapping windows of T + 1 tokens (consecutive rows share one token, as x/y do)."""
+    """Contiguous, non-overlapping windows of T + 1 tokens (consecutive rows share one token, as x/y do); the
+    split's last (n_tokens - 1) mod T tokens, too few for a row, are in none (Megatron-LM's too; the log says)."""
     starts = np.arange(0, documents.n_tokens - seq_len, seq_len, dtype=np.int64)
     return single_pieces(starts, np.full_like(starts, seq_len + 1))
 
