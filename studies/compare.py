@@ -3,7 +3,7 @@
     python -m studies.compare --dataset=stdlib              # the built-in corpus
     python -m studies.compare --dataset=my_corpus/          # any dataset train.py accepts
     python -m studies.compare --dataset=my_corpus/ --max_iters=4500 --warmup_iters=300   # trained further
-    python -m studies.compare configs/compare_gpu.toml --dataset=my_corpus/   # one GPU (untested)
+    python -m studies.compare configs/compare_gpu.toml --dataset=my_corpus/   # one GPU (never yet run on one)
 
 It trains the reference (document mask, position reset and boundary loss mask on, each document opened by
 its start marker) against the document mask off and naive packing (all three off), with learned and RoPE
@@ -175,7 +175,7 @@ def longer_run_hint(extent: dict) -> str:
     return (
         f"to decide smaller effects, train at least {factor}x longer (e.g. --max_iters=4500 --warmup_iters=300: "
         "9.2M tokens a run, the ladder's longest), or on one GPU: "
-        f"python -m studies.compare configs/compare_gpu.toml --dataset=... (untested until a GPU run exists)"
+        f"python -m studies.compare configs/compare_gpu.toml --dataset=... (never yet run on a GPU)"
     )
 
 
