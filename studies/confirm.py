@@ -95,6 +95,7 @@ def read_registration(path: Path) -> Registration:
             raise ConfigError(f"{path}: {name} must be a table ([{name}] or {name} = {{ ... }}), got {table!r}")
     if not all(isinstance(v, str) for table in tables.values() for v in table.values()):
         raise ConfigError(f"{path}: [studies], [invariance] and [notes] hold text values only")
+    check_kinds(registration, path)
     if not 1 <= len(registration.primary) <= 5:
         raise ConfigError(f"{path}: the primary family holds {len(registration.primary)} tests; register 1 to 5")
     for test in registration.primary + registration.equivalence:
@@ -117,6 +118,30 @@ def read_registration(path: Path) -> Registration:
         raise ConfigError(f"{path}: [invariance] names a study, pos, variant and its rounding study, got {where}")
     check_cells(registration, path)
     return registration
+
+
+def check_kinds(registration: Registration, path: Path) -> None:
+    """Each of the registration's settings, and each test's names, of its kind: TOML gives any, and a wrong one
+    would fail far from here, in the arithmetic of the plan or the decisions."""
+    r, number = registration, lambda v: type(v) in (int, float) and math.isfinite(v)
+    fields = [
+        ("alpha", r.alpha, "a number between 0 and 1", number(r.alpha) and 0 < r.alpha < 1),
+        ("power", r.power, "a number between 0 and 1", number(r.power) and 0 < r.power < 1),
+        ("invariance_factor", r.invariance_factor, "a number above 0",
+         number(r.invariance_factor) and r.invariance_factor > 0),
+        ("bootstrap_resamples", r.bootstrap_resamples, "a whole number of at least 1",
+         type(r.bootstrap_resamples) is int and r.bootstrap_resamples >= 1),
+        ("most_seeds", r.most_seeds, "a table of whole numbers of at least 2",
+         all(type(n) is int and n >= 2 for n in r.most_seeds.values())),
+        *((name, getattr(r, name), "text", isinstance(getattr(r, name), str)) for name in ("pilot", "pilot_config")),
+    ]  # fmt: skip
+    for test in r.primary + r.equivalence:
+        for name in ("name", "study", "pos", "variant", "endpoint", "growth_from", "plan_sd_from"):
+            value = getattr(test, name)
+            fields.append((f"test {test.name!r}: {name}", value, "text", isinstance(value, str)))
+    for name, value, expected, fits in fields:
+        if not fits:
+            raise ConfigError(f"{path}: {name} is {value!r}, not {expected}")
 
 
 def check_cells(registration: Registration, path: Path) -> None:

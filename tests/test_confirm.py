@@ -354,6 +354,14 @@ def registration_text(n_primary: int, study: str = "rung3", extra: str = "") -> 
             "is on the late band, which study 'quick' does not measure",
         ),
         (registration_text(1).replace("plan_sd = 0.05", 'plan_sd_from = "learned"'), "is not pos/variant"),
+        # a setting or a test's name of the wrong kind: TOML gives any
+        (registration_text(1, extra='alpha = "0.05"\n'), "alpha is '0.05', not a number between 0 and 1"),
+        (registration_text(1, extra="power = 1.5\n"), "power is 1.5, not a number between 0 and 1"),
+        (registration_text(1, extra="bootstrap_resamples = 0\n"), "bootstrap_resamples is 0, not a whole number"),
+        (registration_text(1, extra="most_seeds = { rung3 = 1.5 }\n"), "most_seeds is {'rung3': 1.5}, not a table"),
+        (registration_text(1, extra="pilot = 3\n"), "pilot is 3, not text"),
+        (registration_text(1).replace('variant = "no_doc_mask"', 'variant = ["no_doc_mask"]'), "variant is \\['no_"),
+        (registration_text(1).replace("plan_sd = 0.05", "plan_sd_from = 5"), "test 't0': plan_sd_from is 5, not text"),
     ],
 )
 def test_a_registration_that_cannot_be_decided_is_refused_in_one_line(tmp_path, capsys, text, words):
