@@ -30,7 +30,7 @@ import torch
 
 import sample
 from cli import run_main
-from errors import ConfigError, DataError
+from errors import ConfigError, DataError, SaveFailed
 from prepare import prepare_for
 from run.checkpoint import read_checkpoint
 from shards import load_shards
@@ -202,7 +202,7 @@ def main(argv: list[str]) -> int:
         saved = json.loads((out / "results.json").read_text())
         extent = training_extent(saved, out, unigram_loss(prepare_for(base)))
         plot_by_position(saved, out / "by_position.png")
-    except (ConfigError, OSError, ValueError) as e:
+    except (ConfigError, SaveFailed, OSError, ValueError) as e:  # SaveFailed: the figure, on a full disk
         print(f"error: {e}", file=sys.stderr)
         return 1
     print("\n" + "\n".join(extent_lines(extent)))
