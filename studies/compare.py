@@ -35,7 +35,7 @@ from prepare import prepare_for
 from run.checkpoint import read_checkpoint
 from shards import load_shards
 from studies import ablate, stats
-from studies.plan import parse_args
+from studies.plan import check_against, parse_args
 from studies.report import band_loss, save_figure
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "compare.toml"
@@ -188,6 +188,7 @@ def main(argv: list[str]) -> int:
         study, base = parse_args([config, *rest])
         if "reference" not in study.variants:
             raise ConfigError(f"variants={study.variants}: give the reference too, every effect is against it")
+        check_against(study, base)  # as the study checks it, but before the data is prepared to name its folder
         if not any(a.startswith("--out_dir=") for a in rest):  # a folder of its own for each prepared dataset
             rest = [*rest, f"--out_dir={Path(study.out_dir) / prepare_for(base).name}"]
     except (ConfigError, DataError) as e:

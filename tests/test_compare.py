@@ -117,6 +117,16 @@ def test_each_dataset_gets_its_own_folder_and_a_stopped_comparison_names_its_own
     assert compare.main(["--variants=no_doc_mask,naive"]) == 1  # no reference to compare with: one error line
 
 
+def test_a_study_the_settings_make_impossible_is_refused_before_any_data_is_prepared(monkeypatch, capsys):
+    prepared = []
+    monkeypatch.setattr(compare, "prepare_for", lambda base: prepared.append(base) or Path("data/x"))
+    assert compare.main(["--doc_mask=false"]) == 1 and compare.main(["--early_band=0,600"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("error: doc_mask=false: a study's reference trains with every fix on")
+    assert err[1] == "error: early_band=[0, 600] reaches past seq_len=512: no position there is scored"
+    assert not prepared  # the preparation names the study's folder: it came first, and could take hours
+
+
 def test_a_figure_the_disk_has_no_room_for_is_one_line(monkeypatch, tmp_path, capsys):
     """The runs done, the comparison's own figure cannot be written: one line, as every writer's full disk."""
     from errors import SaveFailed
