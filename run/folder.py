@@ -211,15 +211,16 @@ class MetricsFile:
         if not self.enabled:
             return
         path, line = self.files.path("metrics.jsonl"), memoryview((json.dumps(record) + "\n").encode())
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        size = os.fstat(fd).st_size
         try:
-            while line:
-                line = line[os.write(fd, line) :]
-        except OSError as e:  # a full disk, a file-size limit: the log ends where it did, and one line says so
-            os.ftruncate(fd, size)  # a write can take part of the line before it fails
+            with open(path, "ab", buffering=0) as file:  # each write straight to the OS, which can take part of it
+                end = file.tell()
+                try:
+                    while line:
+                        line = line[file.write(line) :]
+                except OSError:  # a full disk took part of the line, or none: the log ends where it did
+                    file.truncate(end)
+                    raise
+        except OSError as e:  # a full disk, a file-size limit: one line, as for a checkpoint
             raise SaveFailed(f"could not write {path} ({e.strerror or e})") from None
-        finally:
-            os.close(fd)
         if self.mirror is not None:
             self.mirror(record)

@@ -30,8 +30,7 @@ class Session:
         self.rank, self.world_size, self.device = setup_distributed(cfg)
         self.main_process = self.rank == 0  # the only one that prints, logs, evaluates and writes checkpoints
         self.print = print if self.main_process else lambda *args, **kwargs: None
-        self.resumed: dict | None = None
-        self.saved_step, self.last_evaluation, self.stop_signal = -1, {}, 0
+        self.resumed, self.saved_step, self.last_evaluation, self.stop_signal = None, -1, {}, 0  # resumed: its state
 
     def __enter__(self) -> Session:
         self.held = ExitStack()
