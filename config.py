@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import re
 from collections.abc import Callable
@@ -144,6 +145,23 @@ class Config:
     @property
     def flags(self) -> Flags:
         return Flags(self.doc_mask, self.reset_position_ids, self.mask_boundary_loss)
+
+
+def setting_problem(key: str, value) -> str | None:
+    """What is wrong with `value` as setting `key` when a file gives it as it is (a folder's meta.json or
+    config.json, nothing converted from text): its type, or its bounds; None when nothing is."""
+    f = Config.__dataclass_fields__[key]
+    kinds = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}[f.type]
+    if not isinstance(value, kinds) or (isinstance(value, bool) and f.type != "bool"):
+        return f"is not {'text' if f.type == 'str' else 'a whole number' if f.type == 'int' else f'a {f.type}'}"
+    choices, minimum, maximum = (f.metadata[k] for k in ("choices", "min", "max"))
+    if choices and value not in choices:
+        return f"is not one of {', '.join(choices)}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "is not a finite number"
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        return f"is outside [{minimum}, {maximum}]" if maximum is not None else f"is below {minimum}"
+    return None
 
 
 def fields_where(**role) -> tuple[str, ...]:

@@ -205,7 +205,8 @@ def single_pieces(start: np.ndarray, length: np.ndarray) -> Rows:
 
 def concat_rows(documents: Documents, seq_len: int, keep_tail: bool = False) -> Rows:
     """Contiguous, non-overlapping windows of T + 1 tokens (consecutive rows share one token, as x/y do). The
-    last (n_tokens - 1) mod T tokens are left out, as Megatron-LM does, unless `keep_tail` pads them into a row."""
+    split's last (n_tokens - 1) mod T tokens, too few for a row, are in none (Megatron-LM's too; the log says),
+    unless `keep_tail` pads them into a last row (evaluation)."""
     end = documents.n_tokens - 1 if keep_tail else documents.n_tokens - seq_len
     starts = np.arange(0, end, seq_len, dtype=np.int64)
     return single_pieces(starts, np.minimum(seq_len + 1, documents.n_tokens - starts))

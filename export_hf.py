@@ -19,6 +19,8 @@ validation documents; the folder is kept only if both agree.
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import sys
 import time
@@ -295,9 +297,20 @@ def export(out_dir: Path, to: Path, overwrite: bool = False) -> dict:
         raise ExportError(f"the export needs {e.name}: pip install -r requirements.txt") from None
     except OSError as e:
         raise ExportError(f"could not write {to} ({e.strerror or e})") from None
+    except Exception as e:  # safetensors and tokenizers report a failed write in exceptions of their own
+        if isinstance(e, ExportError) or (reason := os_error_words(e)) is None:
+            raise
+        raise ExportError(f"could not write {to} ({reason})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return checked
+
+
+def os_error_words(error: Exception) -> str | None:
+    """The OS's words for a failed write that a writer in Rust (safetensors, tokenizers) raises as its own
+    exception, whose text ends "(os error 28)"; None for any other error."""
+    found = re.search(r"\(os error (\d+)\)", str(error))
+    return os.strerror(int(found[1])) if found else None
 
 
 def check(folder: Path, model: GPT, enc: tiktoken.Encoding, state: dict, lengths=(1, 17, None)) -> dict:

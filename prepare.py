@@ -169,7 +169,7 @@ def prepare(
     if found := _prepared_already(out, settings):
         return found
     check_writable_folder(Path(data_dir), "data_dir")
-    on_busy = lambda pid: log(f"data: waiting for process {pid}, which is preparing {out}")  # noqa: E731
+    on_busy = lambda holder: log(f"data: waiting for {holder}, which is preparing {out}")  # noqa: E731
     lock = Path(data_dir) / f".{out.name}.lock"
     with ExitStack() as held:
         try:

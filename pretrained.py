@@ -16,6 +16,7 @@ What this model cannot compute exactly is refused in one line (ConfigError), bef
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from pathlib import Path
 import tiktoken
 import torch
 
-from config import Config
+from config import Config, setting_problem
 from errors import ConfigError
 from export_hf import LINEARS as GPT2_LINEARS
 from export_hf import byte_characters
@@ -43,6 +44,24 @@ NEOX_DEFAULTS = {
     "intermediate_size": 24576, "hidden_act": "gelu", "max_position_embeddings": 2048, "layer_norm_eps": 1e-5,
     "use_parallel_residual": True, "attention_bias": True, "rotary_pct": 0.25, "rotary_emb_base": 10000.0,
 }  # fmt: skip
+WHOLE = ("a whole number of at least 1", lambda v: type(v) is int and v >= 1)
+SWITCH = ("true or false", lambda v: type(v) is bool)
+NUMBER = ("a number", lambda v: type(v) in (int, float) and math.isfinite(v))
+NAME = ("text", lambda v: type(v) is str)
+# what each config.json field read here must be, as transformers writes it: read as it is, never converted
+FIELDS = {
+    "model_type": NAME,
+    **dict.fromkeys(("n_positions", "n_embd", "n_layer", "n_head"), WHOLE),
+    "n_inner": ("a whole number of at least 1, or null", lambda v: v is None or WHOLE[1](v)),
+    **dict.fromkeys(("activation_function", "hidden_act", "rope_type"), NAME),
+    **dict.fromkeys(("scale_attn_weights", "scale_attn_by_inverse_layer_idx", "add_cross_attention"), SWITCH),
+    **dict.fromkeys(("tie_word_embeddings", "use_parallel_residual", "attention_bias"), SWITCH),
+    **dict.fromkeys(("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"), WHOLE),
+    "max_position_embeddings": WHOLE,
+    **dict.fromkeys(("layer_norm_epsilon", "layer_norm_eps", "rotary_pct", "rotary_emb_base"), NUMBER),
+    "rope_parameters": ("a table, or null", lambda v: v is None or isinstance(v, dict)),
+    **dict.fromkeys(("rope_theta", "partial_rotary_factor"), NUMBER),  # rope_parameters' own
+}
 # (theirs, ours) for the four projections of a block, as export_hf.LINEARS for GPT-2
 NEOX_LINEARS = (
     ("attention.query_key_value", "attn.qkv"),
@@ -97,6 +116,9 @@ class Pretrained:
 def read_pretrained(folder: Path) -> Pretrained:
     """The folder's model as this repo's settings and state dict, and its tokenizer's vocabulary."""
     config = read_json(folder, "config.json", f"not a Hugging Face model folder{run_folder_hint(folder)}")
+    check_fields(folder, config)
+    if isinstance(config.get("rope_parameters"), dict):
+        check_fields(folder, config["rope_parameters"], "rope_parameters.")
     kind = config.get("model_type")
     if kind not in MAPPINGS:
         raise ConfigError(
@@ -115,6 +137,15 @@ def read_pretrained(folder: Path) -> Pretrained:
     return Pretrained(folder, settings, weights, vocabulary)
 
 
+def check_fields(folder: Path, fields: dict, within: str = "") -> None:
+    """Each field of config.json this module reads is of the type transformers writes, or one line names it."""
+    for key, value in fields.items():
+        expected, fits = FIELDS.get(key, ("", lambda v: True))
+        if not fits(value):
+            shown = json.dumps(value)[:80]
+            raise ConfigError(f"init_from={folder}: config.json's {within}{key} is {shown}, not {expected}")
+
+
 def start_of(cfg: Config) -> Pretrained:
     """The weights of the folder init_from names, with its model settings made the run's; read before out_dir
     is touched, so that a folder that cannot serve is refused with nothing written (its tokenizer is compared
@@ -129,6 +160,8 @@ def adopt_settings(cfg: Config, start: Pretrained, log: Callable[[str], None] = 
     default) contradicts the folder and is refused."""
     defaults = Config()
     for key, value in start.settings.items():
+        if problem := setting_problem(key, value):  # a whole number can still be one no run takes (seq_len=1)
+            raise ConfigError(f"init_from={start.folder}: its config.json makes {key}={value!r}, which {problem}")
         given = getattr(cfg, key)
         if given != value and given != getattr(defaults, key):
             raise ConfigError(
@@ -325,13 +358,12 @@ def read_vocabulary(folder: Path) -> dict[str, int]:
     model = content.get("model")
     if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise ConfigError(f"init_from={folder}: tokenizer.json holds no BPE vocabulary to compare with the run's")
-    vocabulary = dict(model["vocab"])
-    try:
-        vocabulary.update({token["content"]: token["id"] for token in content.get("added_tokens", [])})
-    except (KeyError, TypeError):
-        raise ConfigError(f"init_from={folder}: tokenizer.json's added_tokens are not content/id entries") from None
-    if not all(isinstance(i, int) for i in vocabulary.values()):
-        raise ConfigError(f"init_from={folder}: tokenizer.json holds token ids that are not integers")
+    vocabulary, added = dict(model["vocab"]), content.get("added_tokens", [])
+    if not isinstance(added, list) or not all(isinstance(t, dict) and isinstance(t.get("content"), str) for t in added):
+        raise ConfigError(f"init_from={folder}: tokenizer.json's added_tokens are not content/id entries")
+    vocabulary.update({token["content"]: token.get("id") for token in added})
+    if not all(type(i) is int and i >= 0 for i in vocabulary.values()):
+        raise ConfigError(f"init_from={folder}: tokenizer.json holds token ids that are not whole numbers, 0 or more")
     if not vocabulary:
         raise ConfigError(f"init_from={folder}: tokenizer.json holds no tokens")
     return vocabulary

@@ -30,8 +30,9 @@ if TYPE_CHECKING:  # the model (and torch.compile's import) only for the type: t
 
 
 def packing_statistics(documents: Documents, rows: Rows, seq_len: int, max_rows: int = 8192) -> dict:
-    """How a packing holds the documents: per row and token from up to max_rows rows spread over the split;
-    documents split or cut from all of them."""
+    """How a packing holds the documents. From every row: the padding, the documents split or cut and the
+    stream's tokens in no row; per row and token (documents a row, tokens with their document's start, tokens
+    that could see another document) from up to max_rows rows spread over the split, `rows_sampled` of them."""
     chosen = np.unique(np.linspace(0, len(rows) - 1, min(max_rows, len(rows))).astype(np.int64))
     index, _ = rows.index(chosen, seq_len + 1)
     index = index[:, :-1]  # the input slots
@@ -48,15 +49,27 @@ def packing_statistics(documents: Documents, rows: Rows, seq_len: int, max_rows:
     piece = by_start[np.maximum(np.searchsorted(rows.start[by_start], documents.starts, side="right") - 1, 0)]
     is_whole = (rows.start[piece] <= documents.starts) & (whole <= rows.start[piece] + rows.length[piece])
     n_real = real.sum()
+    real_inputs = np.minimum(np.add.reduceat(rows.length, rows.first[:-1]), seq_len)  # every row, its T input slots
     return {
         "rows": len(rows),
+        "rows_sampled": len(chosen),
         "documents": len(documents),
         "documents_per_row": float(run_starts.sum(1).mean()),
-        "padding_share": float(1 - n_real / real.size),
+        "padding_share": float(1 - real_inputs.sum() / (len(rows) * seq_len)),
         "documents_split_or_cut": float(1 - is_whole.mean()),
         "tokens_with_their_document_start_in_the_row": float(holds_start.sum() / max(1, n_real)),
         "tokens_seeing_another_document_without_the_mask": float(sees_another.sum() / max(1, n_real)),
+        "tokens_in_no_row": tokens_in_no_row(documents, rows),
     }
+
+
+def tokens_in_no_row(documents: Documents, rows: Rows) -> int:
+    """The document stream's tokens that no row holds: under concat the split's last (n_tokens - 1) mod T, too
+    few for a row of T + 1 (Megatron-LM leaves them out too); under pad and bestfit none."""
+    order = np.argsort(rows.start, kind="stable")
+    start, end = rows.start[order], rows.start[order] + rows.length[order]
+    reached = np.concatenate([[0], np.maximum.accumulate(end)[:-1]])  # how far the pieces before each reach
+    return int(documents.n_tokens - np.maximum(end - np.maximum(start, reached), 0).sum())
 
 
 def plural(count: int, noun: str) -> str:
@@ -64,12 +77,20 @@ def plural(count: int, noun: str) -> str:
 
 
 def describe_packing(packing: str, stats: dict) -> str:
+    sampled = stats["rows_sampled"] < stats["rows"]
     return (
-        f"packing={packing}: {stats['rows']:,} rows, {stats['documents_per_row']:.2f} documents a row, "
-        f"{stats['padding_share']:.1%} padding, {stats['documents_split_or_cut']:.1%} of documents split or cut, "
+        f"packing={packing}: {stats['rows']:,} rows, {stats['padding_share']:.1%} padding, "
+        f"{stats['documents_split_or_cut']:.1%} of documents split or cut; "
+        + (f"in {stats['rows_sampled']:,} rows spread over the split: " if sampled else "")
+        + f"{stats['documents_per_row']:.2f} documents a row, "
         f"{stats['tokens_with_their_document_start_in_the_row']:.1%} of tokens with their document's start in "
         f"the row, {stats['tokens_seeing_another_document_without_the_mask']:.1%} that could see another "
         "document without the mask"
+        + (
+            f"; the split's last {plural(stats['tokens_in_no_row'], 'token')} in no row (too few for one)"
+            if stats["tokens_in_no_row"]
+            else ""
+        )
         + (
             f"; {plural(stats['rows_left_out_each_epoch'], 'row')} left out of each epoch (its last, partial "
             "global batch; each epoch's shuffle leaves out others)"

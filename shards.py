@@ -4,14 +4,17 @@ memory-mapped array, meta.json, and the tokenizer, whose special tokens are EOT 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import tiktoken
 
+from config import BPE_SETTINGS_IN_META, SETTINGS_IN_META, setting_problem
 from data import eot_positions
 from errors import ConfigError, DataError
 
@@ -89,12 +92,17 @@ def is_prepared_folder(dataset: str) -> bool:
 
 
 def read_timings(path: Path) -> dict:
-    """The preparation's timings; {} when they were not kept (a folder copied without them is still whole)."""
+    """The preparation's timings; {} when they were not kept, or are not the numbers prepare.py writes (a folder
+    copied without them, or with others, is still whole)."""
     try:
         timings = json.loads((Path(path) / TIMINGS_FILE).read_text())
     except (OSError, ValueError):
         return {}
-    return timings if isinstance(timings, dict) else {}
+    if not isinstance(timings, dict) or not isinstance(timings.get("seconds"), dict):
+        return {}
+    phases = ("tokenizer", "encoding", "shards", "total")
+    numbers = [timings.get("prepared_at"), *(timings["seconds"].get(phase) for phase in phases)]
+    return timings if all(type(x) in (int, float) for x in numbers) else {}
 
 
 def content_digests(path: Path) -> dict[str, str]:
@@ -125,20 +133,7 @@ def load_shards(path: Path) -> Shards:
         raise DataError(f"{meta_path} is corrupted (not valid JSON)") from None
     if not isinstance(meta, dict) or meta.get("format_version") != SHARD_FORMAT_VERSION:
         raise DataError(f"{path} was prepared by another version of prepare.py; delete it to prepare again")
-    missing = [key for key in META_KEYS if key not in meta]
-    settings = meta.get("settings")
-    missing += [f"settings.{key}" for key in SETTINGS_KEYS if not isinstance(settings, dict) or key not in settings]
-    splits = meta.get("splits")
-    whole = isinstance(splits, dict) and all(
-        isinstance(splits.get(split), dict)
-        and isinstance(splits[split].get("shards"), list)
-        and splits[split]["shards"]
-        and all(isinstance(shard, dict) and {"file", "tokens"} <= shard.keys() for shard in splits[split]["shards"])
-        for split in ("train", "val")
-    )
-    if missing or not whole:
-        what = ", ".join(missing) or "its splits' shards"
-        raise DataError(f"{meta_path} lacks {what}: it is damaged; delete {path} to prepare again")
+    check_meta(meta, meta_path)
     tok_path = Path(path) / "tokenizer.tiktoken"
     if not tok_path.is_file() or hashlib.sha256(tok_path.read_bytes()).hexdigest() != meta["tokenizer_sha256"]:
         raise DataError(f"{tok_path} is missing or does not match meta.json; delete {path} to prepare again")
@@ -166,6 +161,81 @@ def load_shards(path: Path) -> Shards:
             raise DataError(f"{bin_path} does not end a document; delete {path} to prepare again")
         streams[split] = TokenStream(parts)
     return Shards(meta=meta, train=streams["train"], val=streams["val"])
+
+
+def check_meta(meta: dict, meta_path: Path) -> None:
+    """Every field of meta.json that is read, there and of its type and range (a folder copied from elsewhere
+    can hold anything), or one line naming the first that is not."""
+    missing = [key for key in META_KEYS if key not in meta]
+    settings = meta.get("settings")
+    missing += [f"settings.{key}" for key in SETTINGS_KEYS if not isinstance(settings, dict) or key not in settings]
+    splits = meta.get("splits")
+    whole = isinstance(splits, dict) and all(
+        isinstance(splits.get(split), dict)
+        and isinstance(splits[split].get("shards"), list)
+        and splits[split]["shards"]
+        and all(isinstance(shard, dict) and {"file", "tokens"} <= shard.keys() for shard in splits[split]["shards"])
+        for split in ("train", "val")
+    )
+    damaged = f"it is damaged; delete {meta_path.parent} to prepare again"
+    if missing or not whole:
+        raise DataError(f"{meta_path} lacks {', '.join(missing) or 'its splits’ shards'}: {damaged}")
+    for name, value, (expected, fits) in meta_fields(meta):
+        if not fits(value):
+            raise DataError(f"{meta_path}: {name} is {json.dumps(value)[:80]}, not {expected}: {damaged}")
+    if meta["eot_id"] >= meta["vocab_size"]:
+        raise DataError(f"{meta_path}: eot_id {meta['eot_id']} is not below vocab_size {meta['vocab_size']}: {damaged}")
+
+
+def _whole(least: int = 0) -> tuple[str, Callable[[object], bool]]:
+    return f"a whole number of at least {least}", lambda v: type(v) is int and v >= least
+
+
+def _counts(value: object) -> bool:
+    return isinstance(value, dict) and all(type(n) is int and n >= 0 for n in value.values())
+
+
+def _file_lists(value: object) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(v, list) and all(isinstance(f, str) for f in v) for v in value.values()
+    )
+
+
+TEXT = ("text", lambda v: isinstance(v, str))
+# what each field that loading, describing and training on a prepared folder read must be (the optional ones
+# where they are written)
+META_FIELDS = {
+    **dict.fromkeys(("tokenizer_sha256", "pattern", "dataset", "tokenizer_name", "tokenizer"), TEXT),
+    **dict.fromkeys(("eot_id", "bytes_read", "lone_surrogates_replaced"), _whole()),
+    "vocab_size": _whole(1),
+    "dtype": ("uint16 or uint32", lambda v: v in ("uint16", "uint32")),
+    **dict.fromkeys(("skipped", "lone_surrogate_files"), ("a table of counts", _counts)),
+    "tokenizer_trained_on": ("a table of counts, or null", lambda v: v is None or _counts(v)),  # null: not trained
+    "skipped_files": ("a table of file lists", _file_lists),
+}
+SPLIT_FIELDS = {"documents": _whole(), "tokens": _whole()}
+SHARD_FIELDS = {  # a shard's file is in the folder: a name, not a path
+    "file": ("a file name", lambda v: isinstance(v, str) and v not in ("", ".", "..") and "/" not in v),
+    "tokens": _whole(1),
+}
+
+
+def meta_fields(meta: dict) -> list[tuple[str, object, tuple[str, Callable[[object], bool]]]]:
+    """(name, value, (what it must be, the check)) of every field of meta.json that is read. Its data settings
+    are checked as the run's settings they become."""
+    fields = [(name, meta[name], kind) for name, kind in META_FIELDS.items() if name in meta]
+    for split in ("train", "val"):
+        info = meta["splits"][split]
+        fields += [(f"splits.{split}.{key}", info.get(key), kind) for key, kind in SPLIT_FIELDS.items()]
+        for i, shard in enumerate(info["shards"]):
+            fields += [(f"splits.{split}.shards[{i}].{key}", shard[key], kind) for key, kind in SHARD_FIELDS.items()]
+    settings, keys = meta["settings"], {**SETTINGS_IN_META, "tokenizer": "tokenizer"}
+    if settings["tokenizer"] == "bpe":  # a BPE trained here: the run adopts its size and sample too
+        keys |= {key: name for key, name in BPE_SETTINGS_IN_META.items() if name in settings}
+    for key, name in keys.items():
+        fits = functools.partial(lambda key, v: setting_problem(key, v) is None, key)
+        fields.append((f"settings.{name}", settings[name], (f"a value of the setting {key}", fits)))
+    return fields
 
 
 def load_trained_on(path: Path, state: dict) -> tuple[Path, Shards]:

@@ -27,10 +27,10 @@ from shards import BOS_TEXT
 KEYS = {"model", "optimizer", "config", "model_config", "step", "data", "rng", "tokenizer_sha256"}
 
 
-def save_checkpoint(path: Path, state: dict) -> None:
-    """Atomically: a kill or a failure mid-save leaves the previous checkpoint intact."""
-    failed = "could not save the checkpoint {path} ({reason}); the previous checkpoint is kept"
-    replace_atomically(path, lambda tmp: torch.save(state, tmp), failed)
+def save_checkpoint(path: Path, state: dict, kept: str = "") -> None:
+    """Atomically: a kill or a failure mid-save leaves the previous file intact; `kept` says what the run has left."""
+    failed = "could not save the checkpoint {path} ({reason})" + (f"; {kept}" if kept else "")
+    replace_atomically(path, lambda file: torch.save(state, file), failed)
 
 
 def read_checkpoint(path: Path, mmap: bool = False) -> dict:
@@ -115,12 +115,8 @@ def every_process_rng_states() -> list[dict]:
 
 
 def rng_states() -> dict:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "cuda": cuda}
 
 
 def set_rng_states(states: dict) -> None:

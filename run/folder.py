@@ -10,16 +10,17 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from pathlib import Path
+from typing import BinaryIO
 
 from errors import ConfigError, SaveFailed
 
 
 @contextmanager
 def exclusive_lock(path: Path, on_busy: Callable[[str], None] | None = None) -> Iterator[None]:
-    """An exclusive lock on `path` for the with-block. Held by another process: on_busy(its pid) and wait, or
-    without on_busy raise BlockingIOError(its pid)."""
+    """An exclusive lock on `path` for the with-block. Held by another process: on_busy(lock_holder's words) and
+    wait, or without on_busy raise BlockingIOError(lock_holder's words)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
@@ -37,37 +38,33 @@ def exclusive_lock(path: Path, on_busy: Callable[[str], None] | None = None) -> 
 
 
 def lock_holder(fd: int) -> str:
-    """The process holding the lock on this file: the pid its holder wrote in it, while that process has the
-    file open; else the one /proc/locks names (Linux), else the written pid. /proc/locks can name a
-    short-lived child that inherited the descriptor, and a written pid can be an earlier holder's."""
+    """Who holds the lock on this file: "process N", or "an unknown process". The pid written in it (an earlier
+    holder's, once that one is gone) and the one /proc/locks names (the locker: maybe a child that left the lock to
+    its parent, as `flock` in a shell does) count only while they have the file open; else the one other that has."""
     stat = os.fstat(fd)
-    written = os.pread(fd, 32, 0).decode(errors="replace").strip()
-    if written.isdigit() and _has_open(int(written), stat):
-        return written
+    named = [os.pread(fd, 32, 0).decode(errors="replace").strip()]
     device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
-    try:
-        for line in Path("/proc/locks").read_text().splitlines():
-            fields = line.split()
+    with suppress(OSError):
+        for fields in (line.split() for line in Path("/proc/locks").read_text().splitlines()):
             if "->" not in fields and "FLOCK" in fields and device in fields:  # "->" marks a waiting process
-                return fields[fields.index(device) - 1]
-    except OSError:
-        pass
-    return written or "unknown"
+                named.append(fields[fields.index(device) - 1])
+    holder = next((pid for pid in named if pid.isdigit() and _has_open(pid, stat)), None)
+    if holder is None:  # another user's processes may be unreadable: then the holder stays unknown
+        others = {p.name for p in Path("/proc").glob("[0-9]*") if _has_open(p.name, stat)} - {str(os.getpid())}
+        holder = others.pop() if len(others) == 1 else None
+    return f"process {holder}" if holder else "an unknown process"
 
 
-def _has_open(pid: int, stat: os.stat_result) -> bool:
+def _has_open(pid: str, stat: os.stat_result) -> bool:
     """Whether process `pid` has the file of `stat` open (False where /proc cannot tell)."""
     try:
-        descriptors = list(Path(f"/proc/{pid}/fd").iterdir())
+        descriptors = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return False
     for descriptor in descriptors:
-        try:
-            target = descriptor.stat()
-        except OSError:
-            continue
-        if (target.st_dev, target.st_ino) == (stat.st_dev, stat.st_ino):
-            return True
+        with suppress(OSError):  # closed since it was listed
+            if os.path.samestat(os.stat(f"/proc/{pid}/fd/{descriptor}"), stat):
+                return True
     return False
 
 
@@ -83,28 +80,31 @@ def check_writable_folder(folder: Path, what: str) -> None:
 
 
 def replace_atomically(
-    path: Path, write: Callable[[Path], None], failed: str = "could not write {path} ({reason})"
+    path: Path, write: Callable[[BinaryIO], object], failed: str = "could not write {path} ({reason})"
 ) -> None:
-    """write(this process's temporary file), then rename it over `path`: an interrupt or a full disk leaves the
-    previous file, never half of one; a failure is SaveFailed(`failed`). The one way results are written."""
+    """write(a binary file open on this process's temporary file), then rename it over `path`: an interrupt or a
+    full disk leaves the previous file, never half of one; a failure is SaveFailed(`failed`). The one way results
+    are written: through a Python file, whose failed write is the OSError itself (No space left on device), where
+    torch.save given a path says only "[enforce fail at inline_container.cc:672]"."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     for target in (path, tmp):  # a rename would replace a device, a FIFO or a folder's entry: never do that
         if (target.exists() or target.is_symlink()) and not target.is_file():
             raise SaveFailed(failed.format(path=path, reason=f"{target} exists and is not a regular file"))
     try:
-        write(tmp)
+        with open(tmp, "wb") as file:
+            write(file)
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+    except BaseException as e:  # a second Ctrl-C mid-write too: the previous file stays, nothing half-written
         tmp.unlink(missing_ok=True)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        if not isinstance(e, (OSError, RuntimeError)):
+            raise
+        cause = e if isinstance(e, OSError) else e.__context__  # torch's writer raises RuntimeError from the OSError
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(e).splitlines()[0]
         raise SaveFailed(failed.format(path=path, reason=reason)) from None
-    except BaseException:  # a second Ctrl-C mid-write: the previous file stays, nothing half-written
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def write_atomically(path: Path, text: str) -> None:
-    replace_atomically(path, lambda tmp: tmp.write_text(text))
+    replace_atomically(path, lambda file: file.write(text.encode()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ def hold(out_dir: Path, resume: bool, overwrite: bool) -> Iterator[None]:
             held.enter_context(exclusive_lock(out_dir / ".lock"))
         except BlockingIOError as e:
             raise ConfigError(
-                f"{out_dir} is in use by another run (process {e.args[0]}); wait for it or pick another out_dir"
+                f"{out_dir} is in use by another run ({e.args[0]}); wait for it or pick another out_dir"
             ) from None
         except OSError as e:
             raise ConfigError(
@@ -143,7 +143,7 @@ def hold(out_dir: Path, resume: bool, overwrite: bool) -> Iterator[None]:
         yield
 
 
-class RunFiles:
+class RunFiles(AbstractContextManager):
     """Where a run writes its files. A new run in a folder holding another run writes to out_dir/.replacing/
     until its first checkpoint, then moves its files in, the checkpoint last: stopped before, it leaves the
     old run as it was. Settings and checkpoint carry the run id, so a folder left mixed is refused."""
@@ -170,9 +170,6 @@ class RunFiles:
                 os.replace(self.staging / name, self.out_dir / name)  # the checkpoint last
             self.folder = self.out_dir
             shutil.rmtree(self.staging, ignore_errors=True)
-
-    def __enter__(self) -> RunFiles:
-        return self
 
     def __exit__(self, *exc) -> None:  # a run that ends before its first checkpoint: the old run stays
         if self.folder == self.staging:
@@ -213,10 +210,16 @@ class MetricsFile:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        path = self.files.path("metrics.jsonl")
+        path, line = self.files.path("metrics.jsonl"), memoryview((json.dumps(record) + "\n").encode())
         try:
-            with open(path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            with open(path, "ab", buffering=0) as file:  # each write straight to the OS, which can take part of it
+                end = file.tell()
+                try:
+                    while line:
+                        line = line[file.write(line) :]
+                except OSError:  # a full disk took part of the line, or none: the log ends where it did
+                    file.truncate(end)
+                    raise
         except OSError as e:  # a full disk, a file-size limit: one line, as for a checkpoint
             raise SaveFailed(f"could not write {path} ({e.strerror or e})") from None
         if self.mirror is not None:

@@ -30,8 +30,7 @@ class Session:
         self.rank, self.world_size, self.device = setup_distributed(cfg)
         self.main_process = self.rank == 0  # the only one that prints, logs, evaluates and writes checkpoints
         self.print = print if self.main_process else lambda *args, **kwargs: None
-        self.resumed: dict | None = None
-        self.saved_step, self.last_evaluation, self.stop_signal = -1, {}, 0
+        self.resumed, self.saved_step, self.last_evaluation, self.stop_signal = None, -1, {}, 0  # resumed: its state
 
     def __enter__(self) -> Session:
         self.held = ExitStack()
@@ -89,8 +88,9 @@ class Session:
     def kept(self) -> str:
         """Where the run's last checkpoint is, for an error that ends the run."""
         step = self.saved_step if self.saved_step > 0 else self.first_step
-        if not step:
-            return "no checkpoint was written"
+        if not step:  # a run replacing another leaves that one as it was until its own first checkpoint
+            replaced = f"; {self.cfg.out_dir} keeps the run it held" if self.files.folder == self.files.staging else ""
+            return f"no checkpoint was written{replaced}"
         return f"the checkpoint of step {step} is kept in {self.files.path('ckpt.pt')}"
 
     def check_finite(self, loss: torch.Tensor, step: int, now: bool) -> None:
@@ -122,7 +122,7 @@ class Session:
                 "evaluation": {k: v for k, v in self.last_evaluation.items() if not isinstance(v, list)},
                 **self.record,
             }
-            checkpoint.save_checkpoint(self.files.path("ckpt.pt"), state)
+            checkpoint.save_checkpoint(self.files.path("ckpt.pt"), state, self.kept())  # what a failure leaves
             self.files.promote()  # the first checkpoint of a run replacing another moves its files in
         self.saved_step = step
 

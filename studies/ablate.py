@@ -57,9 +57,9 @@ from errors import ConfigError, DataError, SaveFailed, Stopped, TrainingDiverged
 from prepare import prepare_for
 from reports import packing_statistics
 from run.folder import check_writable_folder, exclusive_lock, read_metrics, write_atomically
-from shards import Shards, content_digests, digest_of, load_shards, load_tokenizer
+from shards import Shards, content_digests, digest_of, leading_documents, load_shards, load_tokenizer
 from studies import import_leak
-from studies.plan import Study, check_against, parse_args, run_config, run_order, seeds_of_cells
+from studies.plan import Study, check_against, empty_bands, parse_args, run_config, run_order, seeds_of_cells
 from studies.probes import marker_id, probe_inputs, run_probes
 from studies.report import code_commit, write_report
 
@@ -81,6 +81,14 @@ def packing_regime(shards: Shards, seq_len: int, bos_id: int | None = None) -> d
         "median_document_tokens": float(np.median(documents.lengths)),
         "mean_document_tokens": float(documents.lengths.mean()),
     }
+
+
+def scored_positions(shards: Shards, base: Config, bos_id: int | None) -> int:
+    """Within-document positions below this one are scored in the evaluation: the validation documents it
+    reads (eval_tokens' leading ones) reach no further, nor does a row's text (seq_len, less the marker)."""
+    val = leading_documents(shards.val, shards.eot_id, api.resolved(base)[1])
+    longest = int(data.Documents(val, shards.eot_id).lengths.max()) - 1  # its text: the EOT is not scored from
+    return min(longest, base.seq_len - (bos_id is not None))
 
 
 def decided_by(cfg: Config, study: Study, offsets: list[int], shard_folder: str, data_digest: str) -> dict:
@@ -178,7 +186,7 @@ def run_one(cfg: Config, study: Study, decided: dict, offsets: list[int], wait: 
         return json.loads(done.read_text())["result"]
     out.mkdir(parents=True, exist_ok=True)
     with ExitStack() as held:  # the run's lock, through its probes: one process of a study takes each run
-        on_busy = (lambda pid: print(f"waiting for process {pid}, which trains {out}", flush=True)) if wait else None
+        on_busy = (lambda holder: print(f"waiting for {holder}, which trains {out}", flush=True)) if wait else None
         try:
             held.enter_context(exclusive_lock(out / "study.lock", on_busy))
         except BlockingIOError:
@@ -277,6 +285,12 @@ def main(argv: list[str], command: list[str] | None = None) -> int:
         bos_id = marker_id(shards, base)
         pad_factor = pad_steps_factor(shards, base.seq_len, bos_id)
         regime = packing_regime(shards, base.seq_len, bos_id)
+        for name in empty_bands(study, scored_positions(shards, base, bos_id)):  # a primary one is refused
+            print(
+                f"note: {name}={getattr(study, name)} holds no scored target in the validation documents (they "
+                "end before it): reported as empty",
+                flush=True,
+            )
         # the probes run after each training run: a validation split too small for them fails here, first
         probe_inputs(shards, study.probe_docs, base.seq_len, offsets, bos_id)
         if study.import_leak:

@@ -3,7 +3,7 @@
     python -m studies.compare --dataset=stdlib              # the built-in corpus
     python -m studies.compare --dataset=my_corpus/          # any dataset train.py accepts
     python -m studies.compare --dataset=my_corpus/ --max_iters=4500 --warmup_iters=300   # trained further
-    python -m studies.compare configs/compare_gpu.toml --dataset=my_corpus/   # one GPU (untested)
+    python -m studies.compare configs/compare_gpu.toml --dataset=my_corpus/   # one GPU (never yet run on one)
 
 It trains the reference (document mask, position reset and boundary loss mask on, each document opened by
 its start marker) against the document mask off and naive packing (all three off), with learned and RoPE
@@ -30,12 +30,12 @@ import torch
 
 import sample
 from cli import run_main
-from errors import ConfigError, DataError
+from errors import ConfigError, DataError, SaveFailed
 from prepare import prepare_for
 from run.checkpoint import read_checkpoint
 from shards import load_shards
 from studies import ablate, stats
-from studies.plan import parse_args
+from studies.plan import check_against, parse_args
 from studies.report import band_loss, save_figure
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "compare.toml"
@@ -175,7 +175,7 @@ def longer_run_hint(extent: dict) -> str:
     return (
         f"to decide smaller effects, train at least {factor}x longer (e.g. --max_iters=4500 --warmup_iters=300: "
         "9.2M tokens a run, the ladder's longest), or on one GPU: "
-        f"python -m studies.compare configs/compare_gpu.toml --dataset=... (untested until a GPU run exists)"
+        f"python -m studies.compare configs/compare_gpu.toml --dataset=... (never yet run on a GPU)"
     )
 
 
@@ -188,6 +188,7 @@ def main(argv: list[str]) -> int:
         study, base = parse_args([config, *rest])
         if "reference" not in study.variants:
             raise ConfigError(f"variants={study.variants}: give the reference too, every effect is against it")
+        check_against(study, base)  # as the study checks it, but before the data is prepared to name its folder
         if not any(a.startswith("--out_dir=") for a in rest):  # a folder of its own for each prepared dataset
             rest = [*rest, f"--out_dir={Path(study.out_dir) / prepare_for(base).name}"]
     except (ConfigError, DataError) as e:
@@ -202,7 +203,7 @@ def main(argv: list[str]) -> int:
         saved = json.loads((out / "results.json").read_text())
         extent = training_extent(saved, out, unigram_loss(prepare_for(base)))
         plot_by_position(saved, out / "by_position.png")
-    except (ConfigError, OSError, ValueError) as e:
+    except (ConfigError, SaveFailed, OSError, ValueError) as e:  # SaveFailed: the figure, on a full disk
         print(f"error: {e}", file=sys.stderr)
         return 1
     print("\n" + "\n".join(extent_lines(extent)))

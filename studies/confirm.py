@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,7 @@ def read_registration(path: Path) -> Registration:
             raise ConfigError(f"{path}: {name} must be a table ([{name}] or {name} = {{ ... }}), got {table!r}")
     if not all(isinstance(v, str) for table in tables.values() for v in table.values()):
         raise ConfigError(f"{path}: [studies], [invariance], [rounding] and [notes] hold text values only")
+    check_kinds(registration, path)
     if not 1 <= len(registration.primary) <= MOST_PRIMARY_TESTS:
         raise ConfigError(
             f"{path}: the primary family holds {len(registration.primary)} tests; register 1 to {MOST_PRIMARY_TESTS}"
@@ -135,7 +137,61 @@ def read_registration(path: Path) -> Registration:
     rounding = registration.rounding
     if rounding and (set(rounding) != {"study", "rerun"} or not set(rounding.values()) <= set(registration.studies)):
         raise ConfigError(f"{path}: [rounding] names a study and its rerun, two of [studies], got {rounding}")
+    check_cells(registration, path)
     return registration
+
+
+def check_kinds(registration: Registration, path: Path) -> None:
+    """Each of the registration's settings, and each test's names, of its kind: TOML gives any, and a wrong one
+    would fail far from here, in the arithmetic of the plan or the decisions."""
+    r, number = registration, lambda v: type(v) in (int, float) and math.isfinite(v)
+    fields = [
+        ("alpha", r.alpha, "a number between 0 and 1", number(r.alpha) and 0 < r.alpha < 1),
+        ("power", r.power, "a number between 0 and 1", number(r.power) and 0 < r.power < 1),
+        ("invariance_factor", r.invariance_factor, "a number above 0",
+         number(r.invariance_factor) and r.invariance_factor > 0),
+        ("bootstrap_resamples", r.bootstrap_resamples, "a whole number of at least 1",
+         type(r.bootstrap_resamples) is int and r.bootstrap_resamples >= 1),
+        ("most_seeds", r.most_seeds, "a table of whole numbers of at least 1",  # 1: a rerun with no tests
+         all(type(n) is int and n >= 1 for n in r.most_seeds.values())),
+        *((name, getattr(r, name), "text", isinstance(getattr(r, name), str))
+          for name in ("pilot", "pilot_config", "title")),
+    ]  # fmt: skip
+    for test in r.primary + r.equivalence:
+        for name in ("name", "study", "pos", "variant", "endpoint", "growth_from", "plan_sd_from"):
+            value = getattr(test, name)
+            fields.append((f"test {test.name!r}: {name}", value, "text", isinstance(value, str)))
+    for name, value, expected, fits in fields:
+        if not fits:
+            raise ConfigError(f"{path}: {name} is {value!r}, not {expected}")
+
+
+def check_cells(registration: Registration, path: Path) -> None:
+    """Every cell the registration names is one its study runs (by the study's config), and a late band test's
+    study measures that band: refused here, before --plan or the decisions read anything else."""
+    studies = {name: parse_args([config])[0] for name, config in registration.studies.items()}
+    cells = {name: seeds_of_cells(study) for name, study in studies.items()}
+    where = registration.invariance
+    named = [
+        (f"test {t.name!r}", s, t.pos, t.variant)
+        for t in registration.primary + registration.equivalence
+        for s in (t.study, t.growth_from)
+        if s
+    ]
+    named += [("[invariance]", where[s], where["pos"], where["variant"]) for s in ("study", "rounding") if where]
+    for what, study, pos, variant in named:
+        if (pos, variant) not in cells[study]:
+            raise ConfigError(
+                f"{path}: {what} names {pos}/{variant}, a cell that study {study!r} ({registration.studies[study]}) "
+                f"does not run (it runs {', '.join(f'{p}/{v}' for p, v in cells[study])})"
+            )
+    for test in registration.primary + registration.equivalence:
+        if test.endpoint == "late" and not studies[test.study].late_band:
+            raise ConfigError(
+                f"{path}: test {test.name!r} is on the late band, which study {test.study!r} does not measure"
+            )
+        if test.plan_sd_from and len(test.plan_sd_from.split("/")) != 2:
+            raise ConfigError(f"{path}: test {test.name!r}: plan_sd_from={test.plan_sd_from!r} is not pos/variant")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,6 +200,11 @@ def read_registration(path: Path) -> Registration:
 
 def pilot_sd(registration: Registration, pilot_cell: str, endpoint: str) -> tuple[float, int]:
     """The sd of a pilot cell's per-seed effects on an endpoint, and its number of seeds."""
+    if not (registration.pilot and registration.pilot_config):
+        raise ConfigError(
+            f"a test is planned with the pilot's {pilot_cell} spread, but the registration names no pilot and "
+            "pilot_config: give them, or the test's plan_sd"
+        )
     study, base = parse_args([registration.pilot_config])
     offsets = sorted(set(study.probe_offsets) | {1, base.seq_len // 2})  # as studies.ablate probes them
     folder = Path(registration.pilot)
@@ -151,7 +212,14 @@ def pilot_sd(registration: Registration, pilot_cell: str, endpoint: str) -> tupl
     diffs = []
     for run in sorted((folder / pos / variant).glob("seed*/result.json")):
         reference = folder / pos / "reference" / run.parent.name / "result.json"
-        values = [endpoints(json.loads(p.read_text())["result"], study, offsets)[endpoint] for p in (run, reference)]
+        try:
+            values = [
+                endpoints(json.loads(p.read_text())["result"], study, offsets)[endpoint] for p in (run, reference)
+            ]
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a run or its reference missing, damaged, or
+            raise ConfigError(  # without the endpoint (a band that holds no scored target)
+                f"the pilot's {run.parent} and its reference give no {endpoint} to plan with ({type(e).__name__}: {e})"
+            ) from None
         diffs.append(values[0] - values[1])
     if len(diffs) < 2:
         raise ConfigError(f"{folder}: the pilot has {len(diffs)} finished {pilot_cell} run(s); its sd needs 2")
@@ -265,8 +333,19 @@ class Cell:
     reference: dict[int, dict]
     documents: dict[int, np.ndarray]  # seed -> (2, documents): from-second loss sums, counts
     reference_documents: dict[int, np.ndarray]
+    where: str = "the cell"  # the study's folder and the cell, for an error
+
+    def measures(self, endpoint: str) -> bool:
+        """Whether every run of the cell and its reference has the endpoint (a band that holds no scored target,
+        or one the study does not measure, has none)."""
+        return all(endpoint in values for values in (*self.values.values(), *self.reference.values()))
 
     def effects(self, endpoint: str) -> list[float]:
+        if not self.measures(endpoint):
+            raise ConfigError(
+                f"{self.where}: not every run and its reference has a {endpoint} value (a band that holds no scored "
+                "target in the validation documents, or one the study does not measure): nothing to decide on"
+            )
         return [self.values[s][endpoint] - self.reference[s][endpoint] for s in sorted(self.values)]
 
     def reference_mean(self, endpoint: str) -> float:
@@ -293,6 +372,7 @@ def cell(study_runs: tuple[Study, dict, list[int]], pos: str, variant: str) -> C
         {s: endpoints(reference[s], study, offsets) for s in mine},
         {s: from_second_by_document(r) for s, r in mine.items()},
         {s: from_second_by_document(reference[s]) for s in mine},
+        f"{study.out_dir}: {pos}/{variant}",
     )
 
 
@@ -489,6 +569,9 @@ def invariance(registration: Registration, read: dict) -> dict:
             cell(read[where["study"]], where["pos"], where["variant"]),
             cell(rerun, where["pos"], where["variant"]),
         ]
+        if not all(one.measures(name) for one in found):  # reported as empty, as every report does
+            checks[name] = {"differences": [], "rounding": [], "verdict": "not measured: no scored target"}
+            continue
         differences = [d for one in found for d in one.effects(name)]
         shared = sorted(set(found[0].reference) & set(found[1].reference))
         rounding = [abs(found[1].reference[s][name] - found[0].reference[s][name]) for s in shared]
@@ -616,13 +699,13 @@ def main(argv: list[str]) -> int:
 
 
 def run_studies(registration: Registration, overrides: tuple[str, ...]) -> None:
-    """Every study of the registration in turn, as `python -m studies.ablate CONFIG [overrides]` runs it: finished
-    runs are kept, so the same command continues a stopped registration."""
-    from studies import ablate  # training: only with --run
-
+    """Every study of the registration in turn, each as its own `python -m studies.ablate CONFIG [overrides]`
+    (a process of its own: compiled graphs do not pile up past dynamo's limit across studies). Finished runs
+    are kept, so the same command continues a stopped registration."""
     for name, config in registration.studies.items():
-        print(f"\n===== study {name}: python -m studies.ablate {config} {' '.join(overrides)}".rstrip(), flush=True)
-        if ablate.main([config, *overrides]) != 0:
+        command = [sys.executable, "-m", "studies.ablate", config, *overrides]
+        print(f"\n===== study {name}: {' '.join(command[1:])}", flush=True)
+        if subprocess.run(command).returncode != 0:
             raise ConfigError(f"study {name} ({config}) did not finish: its error is above")
 
 

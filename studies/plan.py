@@ -55,6 +55,7 @@ DIFFERENCE_ENDPOINTS = (
     "early_own_start",
 )
 WHOLE_DOCUMENT_ENDPOINTS = ("val_doc_loss", "from_second", "in_context", "doc_weighted")  # margin: margin_doc_loss
+BANDS = {"early": "early_band", "middle": "middle_band", "late": "late_band", "early_own_start": "early_band"}
 
 
 @dataclass
@@ -233,6 +234,23 @@ def check_against(study: Study, base: Config) -> None:
         both = (settings[variant], settings[BASELINES.get(variant, "reference")])
         if "first_token" in wanted and not all(side["bos"] for side in both):
             raise ConfigError(f"primary.{variant} = first_token needs the start marker (bos) on both sides")
+
+
+def empty_bands(study: Study, scored: int) -> list[str]:
+    """The bands that hold no scored target when the validation documents are scored at positions below
+    `scored` only (their longest text, at most a row's): reported as empty. A primary endpoint on one could
+    never be decided, and is refused before anything trains."""
+    bands = {name: getattr(study, name) for name in ("early_band", "middle_band", "late_band")}
+    empty = [name for name, band in bands.items() if band and band[0] >= scored]  # late_band may be none: []
+    for variant in study.variants:
+        for endpoint in (e for e in primary_endpoints(study, variant) if BANDS.get(e) in empty):
+            band = getattr(study, BANDS[endpoint])
+            raise ConfigError(
+                f"primary.{variant} = {endpoint}: {BANDS[endpoint]}={band} holds no scored target, since the "
+                f"validation documents end before position {scored} (the longest, at most a row); give a band below "
+                f"{scored}, or data with longer documents"
+            )
+    return empty
 
 
 def primary_endpoints(study: Study, variant: str) -> list[str]:

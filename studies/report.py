@@ -44,7 +44,7 @@ from studies.tables import markdown_table
 
 
 def save_figure(figure, path: Path) -> None:
-    """A matplotlib figure, written atomically."""
+    """A matplotlib figure, written atomically (in the format its name's suffix says)."""
     replace_atomically(path, functools.partial(figure.savefig, format=path.suffix[1:], dpi=110, bbox_inches="tight"))
 
 
@@ -253,9 +253,22 @@ def format_report(summary: dict, env: dict, study: Study, offsets: list[int], cf
     return "\n".join(lines) + "\n"
 
 
+EMPTY_BAND = "empty: no validation document reaches it"
+
+
 def mean_sd(pair: tuple[float, float]) -> str:
     """A (mean, sd) pair, as every table shows it."""
     return f"{pair[0]:.3f} ± {pair[1]:.3f}"
+
+
+def band_mean_sd(entry: dict | None) -> str:
+    """A band's mean ± sd, or what a band that holds no scored target in the validation documents is."""
+    return EMPTY_BAND if entry is None else mean_sd(entry["mean_sd"])
+
+
+def empty_band_note(summary: dict, endpoint: str) -> str:
+    """What the rules say of a band that no cell could score (the validation documents end before it)."""
+    return "" if any(endpoint in cell["endpoints"] for cell in summary.values()) else f"; {EMPTY_BAND}"
 
 
 def setup_lines(summary: dict, env: dict, study: Study, cfg: Config, extra: dict) -> list[str]:
@@ -314,7 +327,8 @@ def decision_rule_lines(summary: dict, study: Study, offsets: list[int]) -> list
         "`hurts` or `helps` it does not reach is marked `(not robust)`, or `(too few seeds to check)` where "
         "no data could reach it (the smallest p its seeds allow, 2/2^n, or the family's size times the "
         f"family's smallest, is at least {stats.ALPHA}).",
-        f"- secondary: the middle band (positions {study.middle_band[0]}-{study.middle_band[1] - 1}), the other "
+        f"- secondary: the middle band (positions {study.middle_band[0]}-{study.middle_band[1] - 1}"
+        f"{empty_band_note(summary, 'middle')}), the other "
         "of early band and val_doc_loss, the offset effect (the probe documents' loss after "
         f"{max(offsets)} tokens of other documents minus after an EOT alone) and the contamination (after one "
         "foreign document and its EOT minus after an EOT alone): the estimate, its 90% interval and the bound "
@@ -412,8 +426,8 @@ def cell_lines(summary: dict) -> list[str]:
     for key, cell in summary.items():
         e = cell["endpoints"]
         cell_rows.append(
-            [key, len(cell["seeds"]), mean_sd(e["val_doc_loss"]["mean_sd"]), mean_sd(e["early"]["mean_sd"])]
-            + [mean_sd(e["middle"]["mean_sd"]), mean_sd(e["val_loss"]["mean_sd"])]
+            [key, len(cell["seeds"]), mean_sd(e["val_doc_loss"]["mean_sd"]), band_mean_sd(e.get("early"))]
+            + [band_mean_sd(e.get("middle")), mean_sd(e["val_loss"]["mean_sd"])]
             + [f"{e['wall_seconds']['mean_sd'][0]:.1f}", f"{e['useful_tokens_per_sec']['mean_sd'][0]:,.0f}"]
         )
     header = ["cell", "seeds", "val_doc_loss", "early band", "middle band", "val_loss (own packing)"]

@@ -358,6 +358,55 @@ def test_an_endpoint_without_scored_targets_is_not_a_number_but_absent():
     assert "late" not in values and "first_token" not in values and values["early"] == 5.0
 
 
+def test_a_band_no_validation_document_reaches_is_reported_empty_and_the_others_still_decide(tmp_path):
+    """Documents that all end before position 16 (the issue's case: studies.compare on them trained every run,
+    then KeyError: 'middle'): the middle band is reported as empty, the early band and whole documents decide."""
+    study = plan.Study(variants=["reference", "no_doc_mask"], primary={"no_doc_mask": ["early", "from_second"]})
+    rng, runs = np.random.default_rng(0), {}
+    for pos in ("learned", "rope"):
+        for variant, effect in (("reference", 0.0), ("no_doc_mask", 0.3)):
+            for seed in range(3):
+                loss = 5.0 + 0.05 * seed + effect + rng.normal(0, 0.01)
+                result = fake_result(loss, loss, loss)
+                for key in ("val_doc_loss_sum_by_position", "val_doc_count_by_position"):
+                    result[key] = result[key][:10]  # every document ends before position 10
+                runs.setdefault(pos, {}).setdefault(variant, {})[seed] = result
+    regime = dict(documents_per_row=4.0, tokens_seeing_another_document=0.5, median_document_tokens=6.0)
+    env = {"command": "python -m studies.compare", "hardware": "CPU", "torch": "2.13.0", "commit": "abc"}
+    report.write_report(runs, study, [1, 32, 64], Config(), {**regime, "mean_document_tokens": 6.0}, 1.0, tmp_path, env)
+    summary = json.loads((tmp_path / "results.json").read_text())["summary"]
+    mask = summary["learned/no_doc_mask"]["endpoints"]
+    assert "middle" not in mask and mask["early"]["verdict"] == mask["from_second"]["verdict"] == "hurts"
+    markdown = (tmp_path / "results.md").read_text()
+    assert "- secondary: the middle band (positions 16-63; empty: no validation document reaches it)" in markdown
+    row = r"\| learned/no_doc_mask \| 3 \| [\d.]+ ± [\d.]+ \| [\d.]+ ± [\d.]+ \| empty: no validation document reaches"
+    assert re.search(row, markdown)  # val_doc_loss, the early band, then the middle band
+    assert (tmp_path / "loss_by_position.png").stat().st_size > 10_000
+
+
+def test_a_primary_band_no_validation_document_reaches_is_refused_before_anything_trains(tmp_path, capsys, monkeypatch):
+    words = "def class return self value items for in if else".split()
+    rng = np.random.default_rng(0)
+    docs = [" ".join(rng.choice(words, rng.integers(1, 6))) for _ in range(3000)]  # at most 5 words each
+    corpus = tmp_path / "short.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    argv = [str(write_tiny_study_config(corpus, tmp_path)), "--variants=reference,no_doc_mask"]
+    assert ablate.main([*argv, "--primary=no_doc_mask=middle"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: primary.no_doc_mask = middle: middle_band=[16, 64] holds no scored target, since")
+    assert "validation documents end before position" in err and err.count("\n") == 1
+    assert not (tmp_path / "study" / "learned").exists()  # refused before any run
+
+    def planned_runs(planned, study, offsets):  # on the early band the study goes on to train: stop it there
+        raise ConfigError(f"{len(planned)} runs planned")
+
+    monkeypatch.setattr(ablate, "train_planned", planned_runs)
+    assert ablate.main([*argv, "--primary=no_doc_mask=early"]) == 1
+    out, err = capsys.readouterr()
+    assert "note: middle_band=[16, 64] holds no scored target in the validation documents" in out
+    assert err == "error: 8 runs planned\n"  # 2 position kinds x 2 cells x 2 seeds
+
+
 def assert_holm_decided(summary: dict, expected_family: int) -> None:
     """Every primary cell's adjusted p-values are Holm's over the whole primary family, and its verdict
     is what they say."""

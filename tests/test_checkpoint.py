@@ -4,6 +4,7 @@ or any record, a cut, a record of another checkpoint, a foreign or unreadable fi
 reader, training, sampling and export alike; and a checkpoint that holds what it needs (its tokenizer,
 its step and evaluation) to be sampled or exported from anywhere."""
 
+import errno
 import json
 import os
 import re
@@ -32,7 +33,7 @@ import sample
 import train
 from cli import parse_config
 from config import Config
-from errors import ConfigError, TrainingDiverged
+from errors import ConfigError, SaveFailed, TrainingDiverged
 from run.checkpoint import read_checkpoint, save_checkpoint
 
 # ---- damaged checkpoints, refused by every reader
@@ -171,10 +172,9 @@ def test_a_save_interrupted_midway_leaves_the_previous_checkpoint(long_args, tmp
     train.train(parse_config(args(out) + ["--max_iters=3"]))
     real_save = torch.save
 
-    def save_half_then_die(obj, path):
-        real_save(obj, path)
-        with open(path, "r+b") as f:
-            f.truncate(os.path.getsize(path) // 2)
+    def save_half_then_die(obj, file):
+        real_save(obj, file)
+        file.truncate(file.tell() // 2)
         raise KeyboardInterrupt  # as if killed while writing
 
     monkeypatch.setattr(torch, "save", save_half_then_die)
@@ -197,8 +197,65 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_the_old_one(
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     result = run_cli("train.py", *args, "--max_iters=4", "--resume=true", preexec_fn=small_files)
-    one_error_line(result, "could not save the checkpoint", "the previous checkpoint is kept")
+    one_error_line(result, "could not save the checkpoint", "(File too large)", f"step 2 is kept in {out / 'ckpt.pt'}")
     assert (out / "ckpt.pt").read_bytes() == old and not list(out.glob("ckpt.pt.tmp*"))
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    files = [p for p in folder.iterdir() if p.is_file() and p.name != ".lock"] if folder.exists() else []
+    return {p.name: p.read_bytes() for p in files}
+
+
+def torch_save_on_a_full_disk(obj, file) -> None:
+    """torch.save when the disk fills. Writing to a file object, its writer meets the file's OSError and raises
+    its own error from it; given a path, it says only that error's words."""
+    enforce_fail = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    if isinstance(file, (str, os.PathLike)):
+        Path(file).write_bytes(b"PK\x03\x04")  # the zip's first bytes are written
+        raise enforce_fail
+    file.write(b"PK\x03\x04")
+    try:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError as e:
+        raise enforce_fail from e
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("data")
+
+
+@pytest.mark.parametrize("case", ["first checkpoint", "second checkpoint", "replacing a run"])
+def test_a_full_disk_at_a_checkpoint_says_so_and_what_is_kept(tiny_corpus, data_dir, tmp_path, monkeypatch, case):
+    out, real_save = tmp_path / "run", torch.save
+    args = tiny_args(tiny_corpus, data_dir, out, max_iters=4, eval_interval=2, log_interval=2)
+    if case == "replacing a run":
+        train.train(parse_config(args))
+        args.append("--overwrite=true")
+    before = contents(out)
+    saves = []
+
+    def save(obj, file) -> None:
+        saves.append(1)
+        (real_save if case == "second checkpoint" and len(saves) == 1 else torch_save_on_a_full_disk)(obj, file)
+
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(SaveFailed) as error:
+        train.train(parse_config(args))
+    kept = {
+        "first checkpoint": "no checkpoint was written",
+        "second checkpoint": f"the checkpoint of step 2 is kept in {out / 'ckpt.pt'}",
+        "replacing a run": f"no checkpoint was written; {out} keeps the run it held",
+    }[case]
+    place = out / (".replacing" if case == "replacing a run" else "") / "ckpt.pt"
+    assert str(error.value) == f"could not save the checkpoint {place} (No space left on device); {kept}"
+    assert not list(out.rglob("*.tmp-*")) and not (out / ".replacing").exists()
+    if case == "first checkpoint":
+        assert not (out / "ckpt.pt").exists()
+    elif case == "second checkpoint":
+        assert read_checkpoint(out / "ckpt.pt")["step"] == 2
+    else:
+        assert contents(out) == before  # the old run, whole
 
 
 @pytest.mark.slow

@@ -115,3 +115,34 @@ def test_each_dataset_gets_its_own_folder_and_a_stopped_comparison_names_its_own
     assert called["command"] == ["python", "-m", "studies.compare", "--dataset=my_docs.jsonl", "--seeds=2"]
     assert compare.main(["--dataset=my_docs.jsonl", "--out_dir=mine"]) == 130 and called["argv"][-1] == "--out_dir=mine"
     assert compare.main(["--variants=no_doc_mask,naive"]) == 1  # no reference to compare with: one error line
+
+
+def test_a_study_the_settings_make_impossible_is_refused_before_any_data_is_prepared(monkeypatch, capsys):
+    prepared = []
+    monkeypatch.setattr(compare, "prepare_for", lambda base: prepared.append(base) or Path("data/x"))
+    assert compare.main(["--doc_mask=false"]) == 1 and compare.main(["--early_band=0,600"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("error: doc_mask=false: a study's reference trains with every fix on")
+    assert err[1] == "error: early_band=[0, 600] reaches past seq_len=512: no position there is scored"
+    assert not prepared  # the preparation names the study's folder: it came first, and could take hours
+
+
+def test_a_figure_the_disk_has_no_room_for_is_one_line(monkeypatch, tmp_path, capsys):
+    """The runs done, the comparison's own figure cannot be written: one line, as every writer's full disk."""
+    from errors import SaveFailed
+
+    out = tmp_path / "out"
+    out.mkdir()
+    run = {"val_doc_loss_sum_by_position": [5.0, 4.0], "val_doc_count_by_position": [1, 1]}
+    (out / "results.json").write_text(json.dumps({"runs": {"learned": {"reference": {"0": run}}}}))
+    monkeypatch.setattr(compare.ablate, "main", lambda argv, command: 0)
+    monkeypatch.setattr(compare, "prepare_for", lambda base: tmp_path / "data")
+    monkeypatch.setattr(compare, "unigram_loss", lambda shard_path: 6.0)
+    monkeypatch.setattr(compare, "training_extent", lambda saved, out, unigram: {})
+
+    def full_disk(figure, path):
+        raise SaveFailed(f"could not write {path} (No space left on device)")
+
+    monkeypatch.setattr(compare, "save_figure", full_disk)
+    assert compare.main([f"--out_dir={out}"]) == 1
+    assert capsys.readouterr().err == f"error: could not write {out / 'by_position.png'} (No space left on device)\n"

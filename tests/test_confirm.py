@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import scipy.stats
 from conftest import ROOT
 
+from config import NOT_DECIDING
 from errors import ConfigError
 from studies import confirm, plan, report, stats
 
@@ -275,6 +277,23 @@ def test_the_invariance_is_read_against_the_rerun_at_another_thread_count(decide
     assert late["verdict"] == "beyond rounding"  # 4e-3 > 3 x 1e-3
 
 
+def test_an_endpoint_the_runs_lack_is_one_line_and_the_invariance_reports_it_empty(decided, monkeypatch):
+    """Studies without a late band (or with one no validation document reaches): a test on it cannot be decided,
+    and the invariance check reports it as not measured, beside the endpoints it has."""
+    registration, read, before = decided
+    unbanded = {name: (plan.Study(), runs, offsets) for name, (_, runs, offsets) in read.items()}
+    words = "learned/no_reset_position_ids: not every run and its reference has a late value"
+    with pytest.raises(ConfigError, match=words):
+        confirm.decide(registration, unbanded)  # its equivalence test is on the late band
+    checks = confirm.invariance(registration, unbanded)
+    assert checks["late"] == {"differences": [], "rounding": [], "verdict": "not measured: no scored target"}
+    assert checks["early"] == before["invariance"]["early"]
+    monkeypatch.setattr(confirm, "plan_lines", lambda registration: [])  # its studies have no configs here
+    assert "| late band |  |  | not measured: no scored target |" in confirm.report(
+        registration, {**before, "invariance": checks}
+    )
+
+
 def test_a_diverged_run_is_never_within_rounding(decided):
     registration, read, _ = decided
     study, rounding, offsets = read["rounding"]
@@ -287,6 +306,9 @@ def test_a_diverged_run_is_never_within_rounding(decided):
 
 # ----------------------------------------------------------------------------------------------
 # The registration
+
+
+STUDIES_WITH_QUICK = '[studies]\nquick = "configs/compare.toml"\n'  # learned and RoPE, no_doc_mask, no late band
 
 
 def registration_text(n_primary: int, study: str = "rung3", extra: str = "") -> str:
@@ -317,6 +339,32 @@ def registration_text(n_primary: int, study: str = "rung3", extra: str = "") -> 
             "invariance must be a table",
         ),
         (registration_text(1).replace('rung3 = "configs/confirm_rung3.toml"', "rung3 = 3"), "hold text values only"),
+        # a cell its study does not run, named by a test, the study it grows from, or the invariance check
+        (registration_text(1).replace('variant = "no_doc_mask"', 'variant = "pad"'), "names learned/pad, a cell that"),
+        (
+            registration_text(1)
+            .replace("[studies]\n", '[studies]\nrung2 = "configs/confirm_rung2.toml"\n')  # learned positions only
+            .replace('pos = "learned"', 'pos = "rope"')
+            .replace("plan_sd = 0.05\n", 'plan_sd = 0.05\ngrowth_from = "rung2"\n'),
+            "names rope/no_doc_mask, a cell that study 'rung2' .configs/confirm_rung2.toml. does not run",
+        ),
+        (
+            registration_text(1).replace('variant = "no_reset_position_ids"', 'variant = "no_bos"'),
+            r"\[invariance\] names rope/no_bos, a cell that study",
+        ),
+        (
+            registration_text(1, study="quick").replace("[studies]\n", STUDIES_WITH_QUICK).replace('"early"', '"late"'),
+            "is on the late band, which study 'quick' does not measure",
+        ),
+        (registration_text(1).replace("plan_sd = 0.05", 'plan_sd_from = "learned"'), "is not pos/variant"),
+        # a setting or a test's name of the wrong kind: TOML gives any
+        (registration_text(1, extra='alpha = "0.05"\n'), "alpha is '0.05', not a number between 0 and 1"),
+        (registration_text(1, extra="power = 1.5\n"), "power is 1.5, not a number between 0 and 1"),
+        (registration_text(1, extra="bootstrap_resamples = 0\n"), "bootstrap_resamples is 0, not a whole number"),
+        (registration_text(1, extra="most_seeds = { rung3 = 1.5 }\n"), "most_seeds is {'rung3': 1.5}, not a table"),
+        (registration_text(1, extra="pilot = 3\n"), "pilot is 3, not text"),
+        (registration_text(1).replace('variant = "no_doc_mask"', 'variant = ["no_doc_mask"]'), "variant is \\['no_"),
+        (registration_text(1).replace("plan_sd = 0.05", "plan_sd_from = 5"), "test 't0': plan_sd_from is 5, not text"),
     ],
 )
 def test_a_registration_that_cannot_be_decided_is_refused_in_one_line(tmp_path, capsys, text, words):
@@ -327,6 +375,33 @@ def test_a_registration_that_cannot_be_decided_is_refused_in_one_line(tmp_path, 
     assert confirm.main([str(path), "--plan"]) == 1
     error = capsys.readouterr().err
     assert error.startswith("error: ") and error.count("\n") == 1
+
+
+def test_a_pilot_that_cannot_plan_a_test_is_one_line(tmp_path, capsys):
+    """--plan reads the pilot's runs for a test without plan_sd: no pilot named, a run without its reference, or
+    an endpoint whose band holds no scored target there, each is one line."""
+    path, text = tmp_path / "confirm.toml", registration_text(1).replace("plan_sd = 0.05", "plan_sd = 0.0")
+    path.write_text(text)
+    assert confirm.main([str(path), "--plan"]) == 1
+    assert "names no pilot and pilot_config" in capsys.readouterr().err
+    pilot = tmp_path / "pilot" / "learned"
+    for seed in (0, 1):
+        (pilot / "no_doc_mask" / f"seed{seed}").mkdir(parents=True)
+        (pilot / "no_doc_mask" / f"seed{seed}" / "result.json").write_text(
+            json.dumps({"result": fake_result(4.0, 4.0, np.full(40, 4.0))})
+        )
+    path.write_text(f'pilot = "{tmp_path / "pilot"}"\npilot_config = "configs/confirm_rung3.toml"\n{text}')
+    for missing in ("its reference", "its early band's targets"):
+        if missing == "its early band's targets":  # the reference there, but no position below 16 scored
+            unscored = fake_result(4.0, 4.0, np.full(40, 4.0))
+            unscored["val_doc_count_by_position"][:16] = [0] * 16
+            for seed in (0, 1):
+                (pilot / "reference" / f"seed{seed}").mkdir(parents=True)
+                (pilot / "reference" / f"seed{seed}" / "result.json").write_text(json.dumps({"result": unscored}))
+        assert confirm.main([str(path), "--plan"]) == 1, missing
+        error = capsys.readouterr().err
+        assert error.startswith("error: the pilot's ") and "give no early to plan with" in error, error
+        assert error.count("\n") == 1
 
 
 def test_unknown_options_and_missing_results_are_one_line_errors(tmp_path, capsys):
@@ -546,4 +621,11 @@ def test_the_gpu_registration_trains_and_decides_end_to_end_at_a_tiny_size_on_th
         results = json.loads((tmp_path / "out" / f"practitioner_gpu_{size}" / "results.json").read_text())
         runs = list((tmp_path / "out" / f"practitioner_gpu_{size}").rglob("result.json"))
         assert len(runs) == 4 and "rope/naive" in results["summary"]
-        assert all("val_doc_loss_in_context" in json.loads(r.read_text())["result"] for r in runs)
+        config = tomllib.loads((ROOT / "configs" / f"practitioner_gpu_{size}.toml").read_text())
+        for run in runs:  # the config's own settings but the tiny ones, compiled (Inductor, on the CPU)
+            saved = json.loads(run.read_text())
+            recorded = saved["decided_by"]["config"]
+            overridden = {a[2:].split("=")[0] for a in tiny} | set(NOT_DECIDING) | {"ablate"}
+            kept = {k: v for k, v in config.items() if k not in overridden}
+            assert kept and {k: recorded[k] for k in kept} == kept
+            assert recorded["compile"] and "val_doc_loss_in_context" in saved["result"]

@@ -160,7 +160,7 @@ def test_a_folder_that_is_not_a_model_folder_is_refused(tmp_path, tiny_corpus, c
         ("learned", {"scale_attn_by_inverse_layer_idx": True}, "attention scaled otherwise"),
         ("learned", {"n_positions": 128}, "wpe.weight has shape (64, 32) in model.safetensors, and (128, 32) by its"),
         ("learned", {"n_layer": 3}, "model.safetensors has no tensor h.2.ln_1.weight, which its config.json implies"),
-        ("learned", {"n_head": 0}, "config.json describes no model this one can build"),
+        ("learned", {"n_head": 3}, "config.json describes no model this one can build"),  # 32 wide: 3 heads do not fit
         ("rope", {"use_parallel_residual": True}, "a parallel residual"),
         ("rope", {"rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25}}, "rotary over part"),
         ("rope", {"rope_parameters": {"rope_theta": 500000.0}}, "a rotary base of 500000.0"),
@@ -171,6 +171,62 @@ def test_what_this_model_cannot_compute_is_refused(tmp_path, tiny_corpus, capsys
     err = refused(capsys, tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "out", init_from=folder))
     assert message in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("pos_emb", "config_changes", "message"),
+    [  # the issue's four, then one of each kind of field each mapping reads
+        ("learned", {"n_layer": "2"}, 'n_layer is "2", not a whole number of at least 1'),
+        ("learned", {"n_layer": 2.0}, "n_layer is 2.0, not a whole number of at least 1"),
+        ("learned", {"activation_function": ["gelu"]}, 'activation_function is ["gelu"], not text'),
+        ("learned", {"model_type": ["gpt2"]}, 'model_type is ["gpt2"], not text'),
+        ("learned", {"n_head": True}, "n_head is true, not a whole number of at least 1"),
+        ("learned", {"n_positions": -1}, "n_positions is -1, not a whole number of at least 1"),
+        ("learned", {"n_inner": "128"}, 'n_inner is "128", not a whole number of at least 1, or null'),
+        ("learned", {"layer_norm_epsilon": "1e-5"}, 'layer_norm_epsilon is "1e-5", not a number'),
+        ("learned", {"tie_word_embeddings": "yes"}, 'tie_word_embeddings is "yes", not true or false'),
+        ("learned", {"scale_attn_weights": "false"}, 'scale_attn_weights is "false", not true or false'),
+        ("rope", {"hidden_size": "32"}, 'hidden_size is "32", not a whole number of at least 1'),
+        ("rope", {"num_hidden_layers": 0}, "num_hidden_layers is 0, not a whole number of at least 1"),
+        ("rope", {"hidden_act": 3}, "hidden_act is 3, not text"),
+        ("rope", {"attention_bias": "no"}, 'attention_bias is "no", not true or false'),
+        ("rope", {"rope_parameters": [1]}, "rope_parameters is [1], not a table, or null"),
+        ("rope", {"rope_parameters": {"rope_theta": "10000"}}, 'rope_parameters.rope_theta is "10000", not a number'),
+        ("rope", {"rope_parameters": None, "rotary_pct": "1"}, 'rotary_pct is "1", not a number'),
+    ],
+)
+def test_a_config_json_field_of_the_wrong_type_is_one_line(
+    tmp_path, tiny_corpus, capsys, pos_emb, config_changes, message
+):
+    """Every field read from the folder's config.json is checked for its type before it is used (these were
+    TypeErrors, or read as true, or as another model)."""
+    folder = write_folder(tmp_path / "hf", tiny_model(pos_emb), {"a": 0}, config_changes)
+    err = refused(capsys, tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "out", init_from=folder))
+    assert err == f"error: init_from={folder}: config.json's {message}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_config_json_field_read_has_its_type_checked():
+    read = {*pretrained.GPT2_DEFAULTS, *pretrained.NEOX_DEFAULTS, "model_type", "rope_parameters"}
+    assert read | {"rope_theta", "partial_rotary_factor", "rope_type"} == set(pretrained.FIELDS)
+
+
+def test_a_folder_whose_settings_no_run_takes_or_whose_token_ids_are_not_ids_is_one_line(tmp_path, tiny_corpus, capsys):
+    torch.manual_seed(0)
+    one_position = GPT(GPTConfig(vocab_size=320, seq_len=1, n_layer=2, n_head=2, n_embd=32))  # shapes agree
+    cases = {
+        write_folder(tmp_path / "one", one_position, {"a": 0}): "its config.json makes seq_len=1, which is below 2",
+        write_folder(tmp_path / "ids", tiny_model(), {"a": True}): "token ids that are not whole numbers, 0 or more",
+        write_folder(tmp_path / "negative", tiny_model(), {"a": -1}): "token ids that are not whole numbers",
+    }
+    added = write_folder(tmp_path / "added", tiny_model(), {"a": 0})
+    (added / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": {"a": 0}}, "added_tokens": [
+        {"content": ["<|x|>"], "id": 1}]}))  # fmt: skip
+    cases[added] = "tokenizer.json's added_tokens are not content/id entries"
+    for folder, message in cases.items():
+        err = refused(capsys, tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "out", init_from=folder))
+        assert err.startswith(f"error: init_from={folder}: ") and message in err, err
+        assert not (tmp_path / "out").exists()
 
 
 def test_an_output_layer_of_its_own_and_unknown_tensors_are_refused(tmp_path, tiny_corpus, capsys):

@@ -8,7 +8,9 @@ import gzip
 import json
 import os
 import random
+import re
 import resource
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -203,6 +205,61 @@ def test_a_meta_json_without_a_data_setting_is_named(prepared, key):
     with pytest.raises(DataError, match=f"meta.json lacks settings.{key}"):
         shards.load_shards(prepared)
     tried("damaged data folder")
+
+
+@pytest.fixture(scope="module")
+def prepared_once(tmp_path_factory):
+    corpus = tmp_path_factory.mktemp("corpus") / "c.jsonl"
+    corpus.write_bytes(jsonl_bytes(make_documents(60)))
+    return prepare.prepare(str(corpus), str(tmp_path_factory.mktemp("data")), SMALL, **QUIET)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("vocab_size", "300", 'vocab_size is "300", not a whole number of at least 1'),
+        ("vocab_size", True, "vocab_size is true, not a whole number"),
+        ("eot_id", 300, "eot_id 300 is not below vocab_size 300"),
+        ("dtype", "float64", 'dtype is "float64", not uint16 or uint32'),
+        ("pattern", 5, "pattern is 5, not text"),
+        ("skipped", {"empty_file": "2"}, 'skipped is {"empty_file": "2"}, not a table of counts'),
+        ("skipped_files", {"empty_file": "a.jsonl"}, "not a table of file lists"),
+        ("tokenizer_trained_on", {"documents": 5.5}, "not a table of counts"),
+        ("splits.val.documents", -1, "splits.val.documents is -1, not a whole number of at least 0"),
+        ("splits.train.shards.0.file", "../../outside.bin", 'splits.train.shards[0].file is "../../outside.bin"'),
+        ("splits.train.shards.0.tokens", "9", 'splits.train.shards[0].tokens is "9", not a whole number of at least 1'),
+        ("settings.seed", "1337", 'settings.seed is "1337", not a value of the setting data_seed'),
+        ("settings.vocab_size", 100, "settings.vocab_size is 100, not a value of the setting tokenizer_vocab_size"),
+        ("settings.val_fraction", None, "settings.val_fraction is null"),
+    ],
+)
+def test_a_meta_json_field_of_the_wrong_type_or_range_is_named(prepared_once, tmp_path, capsys, field, value, words):
+    """A prepared folder copied from elsewhere can hold anything: each field that is read is checked, and named,
+    before any is used (they were a TypeError, or a file outside the folder read as a shard)."""
+    folder = tmp_path / prepared_once.name
+    shutil.copytree(prepared_once, folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    *parents, last = field.split(".")
+    inner = meta
+    for key in parents:
+        inner = inner[int(key) if key.isdigit() else key]
+    inner[int(last) if last.isdigit() else last] = value
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=re.escape(words)):
+        shards.load_shards(folder)
+    assert prepare.main([str(folder)]) == 1  # `python prepare.py FOLDER` describes it: one line
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {folder / 'meta.json'}") and err.count("\n") == 1 and "it is damaged" in err
+    tried("damaged data folder")
+
+
+def test_timings_that_are_not_the_numbers_prepare_writes_are_left_out(prepared_once, tmp_path, capsys):
+    folder = tmp_path / prepared_once.name
+    shutil.copytree(prepared_once, folder)
+    for timings in ({"seconds": {"total": "1.0"}, "prepared_at": 1.0}, {"seconds": [1.0]}, [1]):
+        (folder / "timings.json").write_text(json.dumps(timings))
+        assert shards.read_timings(folder) == {}
+        assert prepare.main([str(folder)]) == 0 and "MB read" in capsys.readouterr().out  # described without them
 
 
 def test_corrupted_meta_json(tiny_corpus, tmp_path):

@@ -95,11 +95,52 @@ def test_a_lock_refusal_names_the_process_that_wrote_its_pid_not_a_child_listed_
             return real_read_text(path, *args, **kwargs)
 
         monkeypatch.setattr(Path, "read_text", proc_locks_naming_a_child)
-        assert lock_holder(fd) == str(os.getpid())
-        os.pwrite(fd_rw := os.open(lock, os.O_RDWR), b"999998", 0)  # a holder that is gone: /proc/locks decides
-        assert lock_holder(fd) == "999999"
+        assert lock_holder(fd) == f"process {os.getpid()}"
+        os.pwrite(fd_rw := os.open(lock, os.O_RDWR), b"999998", 0)  # a holder that is gone, and /proc/locks names
+        assert lock_holder(fd) == "an unknown process"  # one that is not running: no other process has it open
         os.close(fd_rw)
         os.close(fd)
+
+
+# A holder as `( exec 9>>RUN/.lock; flock -x 9; exec sleep 120 ) &` makes one: a child takes the lock on the
+# inherited descriptor and exits, and its parent holds it on. With "2", a second process keeps the file open too.
+LOCKED_BY_A_CHILD = """import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+if os.fork() == 0:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os._exit(0)
+os.wait()
+if sys.argv[2] == "2" and os.fork() == 0:
+    time.sleep(60)
+    os._exit(0)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("openers", [1, 2])
+def test_a_lock_left_by_a_child_that_exited_names_its_holder_or_says_it_is_unknown(tmp_path, openers):
+    import os
+    import signal
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / ".lock").write_text(str(gone.pid))  # an earlier run's pid: not running now
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCKED_BY_A_CHILD, str(tmp_path / ".lock"), str(openers)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        named = f"process {holder.pid}" if openers == 1 else "an unknown process"
+        with pytest.raises(ConfigError, match=rf"is in use by another run \({named}\); wait for it"):
+            with hold(tmp_path, resume=False, overwrite=False):
+                pass
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
 
 
 # ---- results written whole, never in place of what is not a regular file
@@ -137,6 +178,58 @@ def test_a_result_that_cannot_be_written_is_one_line(tmp_path):
     run_files = RunFiles(tmp_path / "run", "id", fresh=False)
     with pytest.raises(SaveFailed, match="could not write"):
         MetricsFile(run_files, resume_step=None)
+
+
+def test_a_metrics_record_that_does_not_fit_leaves_the_log_as_it_was(tmp_path):
+    """A full disk or a file-size limit can take part of a line before the write fails: the log keeps its whole
+    lines only (a file-size limit here: the kernel writes up to it, then refuses)."""
+    import resource
+
+    metrics = MetricsFile(RunFiles(tmp_path, "id", fresh=False), resume_step=None)
+    metrics.write({"step": 1, "train_loss": 5.0})
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) + 10, hard))  # room for 10 bytes of the next line
+    try:
+        with pytest.raises(SaveFailed, match=r"could not write .*metrics.jsonl \(File too large\)"):
+            metrics.write({"step": 2, "train_loss": 4.0, "lr": 0.001})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+
+
+@pytest.mark.parametrize("writer", ["weights", "tokenizer"])
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_the_earlier_export(trained, tmp_path, monkeypatch, writer):
+    """safetensors and tokenizers write in Rust and raise their own exceptions for the OS's error."""
+    import safetensors.torch
+    import transformers
+    from safetensors import SafetensorError
+
+    import export_hf
+
+    def full(path, text: str, error: type[Exception]) -> None:
+        Path(path).write_bytes(b"{")  # the file's first bytes are written
+        raise error(text)
+
+    if writer == "weights":
+        text = "Error while serializing: I/O error: No space left on device (os error 28)"
+        monkeypatch.setattr(safetensors.torch, "save_file", lambda t, path, *a, **k: full(path, text, SafetensorError))
+    else:
+        monkeypatch.setattr(
+            transformers.PreTrainedTokenizerFast,
+            "save_pretrained",
+            lambda self, folder, **k: full(
+                Path(folder) / "tokenizer.json", "No space left on device (os error 28)", Exception
+            ),
+        )
+    to = tmp_path / "hf"
+    to.mkdir()
+    for name in ("config.json", "model.safetensors"):  # an earlier export, which --overwrite=true replaces
+        (to / name).write_text("earlier")
+    with pytest.raises(export_hf.ExportError, match=rf"^could not write {to} \(No space left on device\)$"):
+        export_hf.export(trained[0], to, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary folder left
+    assert {p.name: p.read_text() for p in to.iterdir()} == {"config.json": "earlier", "model.safetensors": "earlier"}
 
 
 @pytest.mark.slow
@@ -245,7 +338,7 @@ def test_overwriting_replaces_the_old_run_only_once_the_new_one_has_a_checkpoint
         train.train(parse_config(overwrite + [f"--dataset={tmp_path / 'missing.jsonl'}"]))
     assert contents(run) == before
 
-    def full_disk(path, state):
+    def full_disk(path, state, kept):
         raise SaveFailed(f"could not save the checkpoint {path} (No space left on device)")
 
     monkeypatch.setattr(checkpoints, "save_checkpoint", full_disk)
