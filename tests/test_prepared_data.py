@@ -399,11 +399,21 @@ def test_dataset_too_small_for_a_batch(tiny_corpus, tmp_path):
 
 
 @pytest.mark.slow
-def test_dataset_too_small_for_the_validation_set(tmp_path):
+def test_a_validation_split_shorter_than_a_row_is_scored_whole_in_one_short_row(tmp_path):
+    """Evaluation keeps concat's last, short row: a validation split of fewer tokens than a row still scores
+    every target (it once gave no row and stopped the run)."""
+    import numpy as np
+
     corpus = tmp_path / "small.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"doc {i} " * 30}) + "\n" for i in range(20)))
-    with pytest.raises(DataError, match=r"the val split's .* tokens give 0 rows"):
-        train.train(parse_config(tiny_args(corpus, tmp_path / "data", tmp_path / "o", seq_len=512, batch_size=1)))
+    cfg = parse_config(tiny_args(corpus, tmp_path / "data", tmp_path / "o", seq_len=512, batch_size=1))
+    result = train.train(cfg)
+    prepared = shards.load_shards(next(p for p in (tmp_path / "data").iterdir() if p.is_dir()))
+    lengths = np.diff(np.flatnonzero(np.asarray(prepared.val) == prepared.eot_id), prepend=-1)
+    assert 0 < len(prepared.val) < 512 and result["val_doc_count_by_document"] == (lengths - 1).tolist()
+    assert np.isfinite(result["val_loss"]) and result["val_doc_loss_in_context"] == pytest.approx(
+        result["val_doc_loss_from_second"], abs=1e-5
+    )
 
 
 # ---- tokenizers
