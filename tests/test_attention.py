@@ -208,20 +208,20 @@ def test_bench_records_a_failing_variant_and_goes_on(tmp_path, monkeypatch):
 
     out = tmp_path / "bench.json"
     written = []
-    real_step, real_write = bench.bench_training_step, Path.write_text
+    real_step, real_write = bench.bench_training_step, bench.write_atomically
 
     def failing_step(variant, *args):
         if variant == "sdpa_doc":
             raise RuntimeError("out of memory\nsecond line")
         return real_step(variant, *args)
 
-    def recording_write(self, text, *args, **kwargs):
-        if self.name.startswith("bench.json"):  # the file itself, or its temporary twin of an atomic write
+    def recording_write(path, text, *args, **kwargs):
+        if Path(path).name == "bench.json":
             written.append(len(json.loads(text).get("results", [])))
-        return real_write(self, text, *args, **kwargs)
+        return real_write(path, text, *args, **kwargs)
 
     monkeypatch.setattr(bench, "bench_training_step", failing_step)
-    monkeypatch.setattr(Path, "write_text", recording_write)
+    monkeypatch.setattr(bench, "write_atomically", recording_write)
     argv = ["--seq_lens=64", "--tokens=128", "--steps=1", "--warmup=0", "--layouts=synthetic", "--pos_embs=rope"]
     assert bench.main([*argv, "--variants=sdpa_doc,sdpa_causal", f"--out={out}"]) == 0
     failed, other = json.loads(out.read_text())["results"]
