@@ -638,3 +638,18 @@ def test_packages_docs_corpus_is_every_docstring_of_the_same_modules_and_no_code
     assert source.files == corpora.resolve_dataset("packages").files and source.builtin == "packages-docs"
     docs = list(itertools.islice(corpora.read_documents(source), 500))
     assert len(docs) == 500 and not any(d.lstrip().startswith(("def ", "class ", "import ")) for d in docs)
+
+
+def test_a_texts_token_bytes_add_up_to_its_utf8_bytes_and_the_special_tokens_have_none(tmp_path):
+    """What bits per byte divide by: each id's UTF-8 length, from the run's own tokenizer (the marker too)."""
+    from shards import start_marker_id, token_bytes, with_start_marker
+
+    texts = ["héllo wörld: naïve café", "def f(x):\n    return x ** 2  # ½ ∑", "日本語のテキスト and ASCII"]
+    path = prepare_docs(tmp_path, texts * 20)
+    plain = load_tokenizer(path)
+    bos = start_marker_id(plain)
+    enc = with_start_marker(plain, bos)
+    lengths = token_bytes(enc)
+    assert len(lengths) == enc.n_vocab == bos + 1 and lengths[enc.eot_token] == 0 and lengths[bos] == 0
+    for text in texts:
+        assert lengths[enc.encode_ordinary(text)].sum() == len(text.encode("utf-8"))
