@@ -97,6 +97,7 @@ def parse_config(argv: list[str]) -> Config:
     values: dict = {}
     if argv and not argv[0].startswith("--"):
         values, argv = read_config_file(Path(os.path.expanduser(argv[0]))), argv[1:]
+        values.pop("ablate", None)  # a study's own table: its top-level keys train the study's reference arm
     values.update(command_line_values(argv, " (a config file may come first)"))
     given = settings_from(Config, values, "python train.py --help")
     if given.resume:

@@ -234,7 +234,9 @@ def describe_run(
     session.print(f"data: {describe_packing(cfg.packing, statistics)}")
     if session.resumed is None:
         session.log({"step": 0, "packing_statistics": statistics})
-    session.print(f"eval: {val_tokens:,} validation tokens ({len(val_alone.documents):,} documents) per evaluation")
+    session.print(
+        f"eval: {val_tokens:,} validation tokens ({plural(len(val_alone.documents), 'document')}) per evaluation"
+    )
 
 
 class WandbMirror:
@@ -299,7 +301,9 @@ def run_summary(cfg: Config, seconds: float, world_size: int = 1, stopped_after:
     else:
         lines.append("  no evaluation and no training step logged")
     ckpt = out_dir / "ckpt.pt"
-    lines.append(f"  checkpoint: {ckpt}" if ckpt.is_file() else "  checkpoint: none written")
+    if not ckpt.is_file():  # nothing to sample, export or continue from (max_iters=0 trains nothing)
+        return "\n".join([*lines, "  checkpoint: none written (no training step ran)"])
+    lines.append(f"  checkpoint: {ckpt}")
     if stopped_after is not None:
         return "\n".join([*lines, f"  resume:   {train_command(cfg, world_size)}"])
     out = f"--out_dir={cfg.out_dir}"

@@ -264,8 +264,9 @@ def usage() -> str:  # the ablate docstring, then the [ablate] keys
     return help_text(__doc__, cls=Study) + "\n\n...and any train.py setting (python train.py --help)."
 
 
-def main(argv: list[str], command: list[str] | None = None) -> int:
-    """`command`: the words that run the study again, when another module (studies.compare) runs it."""
+def main(argv: list[str], command: list[str] | None = None, echo_report: bool = True) -> int:
+    """`command`: the words that run the study again, when another module (studies.compare) runs it;
+    `echo_report`: print the report at the end (compare prints its own table)."""
     if any(a in ("-h", "--help") for a in argv):
         print(usage())
         return 0
@@ -304,7 +305,7 @@ def main(argv: list[str], command: list[str] | None = None) -> int:
             check_reusable(Path(cfg.out_dir), decided)  # every run before the first trains
             planned.append((pos, variant, seed, cfg, decided))
         runs = train_planned(planned, study, offsets)
-        write_report(runs, study, offsets, base, regime, pad_factor, out, environment(command))
+        write_report(runs, study, offsets, base, regime, pad_factor, out, environment(command), echo_report)
     except (ConfigError, DataError, TrainingDiverged, SaveFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -331,8 +332,10 @@ def train_planned(planned: list[tuple], study: Study, offsets: list[int]) -> dic
     # printed here once after every run, so the Progress itself prints nothing: it only keeps the counts and ETA
     progress = Progress(
         len(planned) - finished_before,
-        lambda p: f"=== study: {finished_before + p.done:.0f}/{len(planned)} runs finished, "
-        f"{p.counts['trained']:.0f} by this process; ETA {p.eta()}",
+        lambda p: (
+            f"=== study: {finished_before + p.done:.0f}/{len(planned)} runs finished, "
+            f"{p.counts['trained']:.0f} by this process; ETA {p.eta()}"
+        ),
         lambda line: None,
     )
     elsewhere = []

@@ -569,9 +569,18 @@ def draw_import_leak(axes, runs: dict) -> None:
 
 
 def write_report(
-    runs: dict, study: Study, offsets: list[int], base: Config, regime: dict, pad_factor: float, out: Path, env: dict
+    runs: dict,
+    study: Study,
+    offsets: list[int],
+    base: Config,
+    regime: dict,
+    pad_factor: float,
+    out: Path,
+    env: dict,
+    echo: bool = True,
 ) -> None:
-    """results.json (every run's result, the settings and the verdicts), then the report and figures from it."""
+    """results.json (every run's result, the settings and the verdicts), then the report and figures from it
+    (printed too, with `echo`)."""
     runs = {pos: {v: dict(sorted(cell.items())) for v, cell in kinds.items()} for pos, kinds in runs.items()}
     wall = sum(r["wall_seconds"] for kinds in runs.values() for cell in kinds.values() for r in cell.values())
     commits = {
@@ -590,7 +599,7 @@ def write_report(
     }
     saved["summary"] = summarise(runs, study, offsets)
     write_atomically(out / "results.json", json.dumps(saved))
-    report_from(saved, out)
+    report_from(saved, out, echo)
 
 
 def code_commit() -> str:
@@ -635,8 +644,9 @@ def settings_changed(saved: dict, study: Study, base: Config) -> list[str]:
     ]
 
 
-def report_from(saved: dict, out: Path) -> None:
-    """results.md and the figures from a study's saved results (the verdicts computed again from its runs)."""
+def report_from(saved: dict, out: Path, echo: bool = True) -> None:
+    """results.md and the figures from a study's saved results (the verdicts computed again from its runs);
+    `echo`: print the report too (studies.compare prints its own short table instead)."""
     study = settings_from(Study, saved["study"], "python -m studies.ablate --help")
     study.validate()
     base = settings_from(Config, saved["config"], "python train.py --help")
@@ -646,6 +656,8 @@ def report_from(saved: dict, out: Path) -> None:
     report = format_report(summary, saved["environment"], study, offsets, base, saved)
     plot(runs, summary, study, offsets, out)  # first: a figure that cannot be drawn leaves the old report whole
     write_atomically(out / "results.md", report)
+    if not echo:
+        return
     print("\n" + report)
     leak_figure = ", import_leak.png" if study.import_leak else ""
     print(f"wrote {out / 'results.md'}, effects.png, loss_by_position.png, offset_probe.png{leak_figure}")

@@ -18,18 +18,39 @@ from studies import compare, plan
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def effect(verdict: str, estimate: float = 0.001) -> dict:
-    return {"estimate": estimate, "ci95": [estimate - 0.01, estimate + 0.01], "verdict": verdict, "role": "primary"}
+def effect(verdict: str, estimate: float = 0.001, role: str = "primary") -> dict:
+    return {"estimate": estimate, "ci95": [estimate - 0.01, estimate + 0.01], "verdict": verdict, "role": role}
 
 
-def test_negligible_is_said_only_of_well_trained_models():
-    trained, barely = {"well_trained": True}, {"well_trained": False}
-    assert compare.verdict_line(effect("negligible"), trained).endswith("decided: negligible")
-    assert compare.verdict_line(effect("negligible"), barely).endswith("not decided")
+def test_negligible_is_said_only_of_well_trained_models_and_a_smoke_test_decides_nothing():
+    trained, barely, smoke = {"well_trained": True}, {"well_trained": False}, {"well_trained": False, "smoke": True}
+    assert compare.verdict_words(effect("negligible"), trained) == "decided: negligible"
+    assert compare.verdict_words(effect("negligible"), barely) == "not decided"
     # a difference decided on barely trained models is still decided: the test does not depend on training
-    assert compare.verdict_line(effect("hurts", 0.3), barely).endswith("decided: the fix helps")
-    assert compare.verdict_line(effect("helps", -0.3), trained).endswith("decided: the fix hurts")
-    assert compare.verdict_line(effect("unresolved"), trained).endswith("not decided")
+    assert compare.verdict_words(effect("hurts", 0.3), barely) == "decided: careful helps"
+    assert compare.verdict_words(effect("helps", -0.3), trained) == "decided: careful hurts"
+    assert compare.verdict_words(effect("unresolved"), trained) == "not decided"
+    assert compare.verdict_words(effect("hurts", 0.3), smoke) == "not decided (smoke test)"
+    assert compare.verdict_words(effect("hurts", 0.3, role="secondary"), trained) == "not tested (secondary)"
+
+
+def test_the_power_line_is_the_effect_a_simulated_paired_t_test_finds_four_times_in_five():
+    """The smallest effect the default comparison decides with power 0.8, checked by simulating its test:
+    6 seeds, Holm's strictest level over 3 tests, the critical value itself drawn from simulated nulls."""
+    study, base = plan.parse_args([str(ROOT / "configs" / "compare.toml")])
+    smallest = compare.smallest_effects(study, "rope", study.seeds)
+    rng = np.random.default_rng(0)
+
+    def t_statistics(mean: float, sd: float, draws: int = 400_000) -> np.ndarray:
+        x = rng.normal(mean, sd, size=(draws, study.seeds))
+        return x.mean(axis=1) / (x.std(axis=1, ddof=1) / math.sqrt(study.seeds))
+
+    level = 0.05 / 3
+    critical = np.quantile(np.abs(t_statistics(0.0, 1.0)), 1 - level)
+    for kind in ("early", "whole"):
+        sd = compare.STUDY_SPREADS[("rope", kind)]
+        power = np.mean(np.abs(t_statistics(smallest[kind], sd)) > critical)
+        assert abs(power - compare.POWER) < 0.01, (kind, power)
 
 
 def test_position_bins_double_and_cover_every_position_once():
@@ -39,12 +60,16 @@ def test_position_bins_double_and_cover_every_position_once():
     assert binned[:3] == [2.0, 3.0, 3.0] and math.isnan(binned[3])  # positions 2-3 weighted by tokens; 4: none
 
 
-def test_the_shipped_configs_are_the_three_arms_on_both_position_kinds():
-    for name in ("compare.toml", "compare_gpu.toml"):
+def test_the_shipped_configs_are_the_practitioners_two_arms_with_rope():
+    for name in ("compare.toml", "compare_smoke.toml", "compare_gpu.toml"):
         study, base = plan.parse_args([str(ROOT / "configs" / name)])
-        assert study.variants == ["reference", "no_doc_mask", "naive"] and study.pos_embs == ["learned", "rope"]
+        assert study.variants == ["reference", "naive"] and study.pos_embs == ["rope"]
+        assert study.primary == {"naive": ["early", "from_second", "in_context"]}
         assert base.bos and base.doc_mask and base.reset_position_ids and base.mask_boundary_loss
-        assert base.warmup_iters * 4 <= base.max_iters and study.seeds == 3
+        assert base.warmup_iters * 4 <= base.max_iters
+    default, _ = plan.parse_args([str(ROOT / "configs" / "compare.toml")])
+    smoke, _ = plan.parse_args([str(ROOT / "configs" / "compare_smoke.toml")])
+    assert default.seeds == 6 and default.threads == 1 and smoke.out_dir != default.out_dir
     assert "UNTESTED" in (ROOT / "configs" / "compare_gpu.toml").read_text()
 
 
@@ -55,40 +80,69 @@ def test_the_quick_comparison_trains_with_the_confirmatory_studys_recipe():
     assert quick.warmup_iters == round(quick.max_iters * registered.warmup_iters / registered.max_iters)
 
 
+TINY = dict(
+    tokenizer_vocab_size=320, seq_len=64, n_layer=1, n_head=2, n_embd=32, batch_size=4, max_iters=3, warmup_iters=1,
+    eval_interval=3, eval_tokens=0, val_fraction=0.3, log_interval=1, seeds=2, probe_docs=4, probe_offsets=16,
+    compile="false",
+)  # fmt: skip
+
+
 @pytest.mark.slow
-def test_the_command_compares_on_a_tiny_setting(tiny_corpus, tmp_path):
+def test_the_command_compares_on_a_tiny_setting_in_two_processes(tiny_corpus, tmp_path):
     out = tmp_path / "compare"
-    settings = dict(
-        dataset=tiny_corpus, data_dir=tmp_path / "data", out_dir=out, tokenizer_vocab_size=320, seq_len=64,
-        n_layer=1, n_head=2, n_embd=32, batch_size=4, max_iters=3, warmup_iters=1, eval_interval=3,
-        eval_tokens=1024, log_interval=1, seeds=2, probe_docs=4, probe_offsets=16,
-    )  # fmt: skip
+    settings = dict(dataset=tiny_corpus, data_dir=tmp_path / "data", out_dir=out, workers=2, **TINY)
     command = [sys.executable, "-m", "studies.compare", *(f"--{k}={v}" for k, v in settings.items())]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    first = next(line for line in result.stdout.splitlines() if not line.startswith("data: "))  # after preparing
+    assert first.startswith("smoke test: ")  # 0.02 tokens a parameter: it says first that it decides nothing
     saved = json.loads((out / "results.json").read_text())
-    assert sorted(saved["summary"]) == [
-        f"{p}/{v}" for p in ("learned", "rope") for v in ("naive", "no_doc_mask", "reference")
-    ]
+    assert sorted(saved["summary"]) == ["rope/naive", "rope/reference"]
+    trained_here, trained_there = result.stdout.count("\nmodel: "), (out / "worker2.log").read_text().count("\nmodel: ")
+    assert trained_here + trained_there == 4  # the second process shares the runs (how many: a race): each trains once
+    assert (out / "worker2.log").read_text().count("=== run ") == 4  # it saw every run, trained or done
     assert (out / "by_position.png").stat().st_size > 10_000
+    assert "# " not in result.stdout  # results.md is named, not printed
     printed = result.stdout[result.stdout.index("trained: ") :]
     tokens = 3 * 4 * 64
     assert f"trained: {tokens / 1e6:.2f}M tokens a run" in printed and "barely trained" in printed
-    rows = [line for line in printed.splitlines() if line.startswith(("learned ", "rope "))]
-    assert len(rows) == 8 and "negligible" not in "\n".join(rows)
-    for line in rows:  # each effect as results.json has it: the variant minus the reference, seed by seed
-        pos, arm = line.split()[:2]
-        variant = {"mask": "no_doc_mask", "naive": "naive"}[arm]
-        endpoint = "early" if "positions 0-15" in line else "from_second"
-        values = saved["summary"][f"{pos}/{variant}"]["endpoints"][endpoint]["values"]
-        reference = saved["summary"][f"{pos}/reference"]["endpoints"][endpoint]["values"]
-        assert f"{np.mean(np.subtract(values, reference)):+.3f} [" in line
-    assert "configs/compare_gpu.toml" in printed and "train at least" in printed
+    rows = [line for line in printed.splitlines() if line.startswith("rope ")]
+    assert len(rows) == 3 and all(line.endswith("not decided (smoke test)") for line in rows)
+    cells = saved["summary"]["rope/naive"]["endpoints"], saved["summary"]["rope/reference"]["endpoints"]
+    for line, endpoint, bpb in zip(rows, ["early", "from_second", "in_context"], [None, "bpb", "bpb_in_context"]):
+        for name in filter(None, [endpoint, bpb]):  # each effect as the runs have it: naive minus reference, by seed
+            assert f"{np.mean(np.subtract(cells[0][name]['values'], cells[1][name]['values'])):+.3f} [" in line
+        assert line.count("[") == (2 if bpb else 1)
     shards = load_shards(next((tmp_path / "data").iterdir()))  # the unigram loss, counted here independently
     counts, vocab = Counter(np.asarray(shards.train).tolist()), shards.vocab_size
     total = sum(counts.values()) + vocab
     unigram = -sum(math.log((counts[t] + 1) / total) for t in np.asarray(shards.val).tolist()) / len(shards.val)
     assert f"against {unigram:.3f} for a unigram model" in printed
+
+
+def test_data_too_small_to_decide_anything_is_refused_before_any_run(tiny_corpus, tmp_path, capsys):
+    out = tmp_path / "compare"
+    settings = {**TINY, "val_fraction": 0.02, "eval_tokens": 1024}  # about 12 validation documents
+    argv = [
+        f"--{k}={v}" for k, v in dict(dataset=tiny_corpus, data_dir=tmp_path / "data", out_dir=out, **settings).items()
+    ]
+    assert compare.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the evaluation scores ") and "eval_tokens" in err and err.count("\n") == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("workers", ["0", "two"])
+def test_a_bad_worker_count_is_one_error_line(tiny_corpus, tmp_path, workers, capsys):
+    argv = [
+        f"--dataset={tiny_corpus}",
+        f"--data_dir={tmp_path / 'data'}",
+        f"--out_dir={tmp_path / 'c'}",
+        f"--workers={workers}",
+    ]
+    assert compare.main([*argv, *(f"--{k}={v}" for k, v in TINY.items())]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "workers" in err and err.count("\n") == 1
 
 
 def test_a_bad_setting_is_one_error_line(capsys):
@@ -97,15 +151,25 @@ def test_a_bad_setting_is_one_error_line(capsys):
     assert err.startswith("error: ") and err.count("\n") == 1
 
 
-def test_each_dataset_gets_its_own_folder_and_a_stopped_comparison_names_its_own_command(monkeypatch, tmp_path):
+@pytest.fixture
+def no_data(monkeypatch, tmp_path):
+    """compare.main with the data, its checks and the plan faked, one process, in tmp_path."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(compare, "prepare_for", lambda base: tmp_path / f"{Path(base.dataset).name}-bpe8192-0123abcd")
+    monkeypatch.setattr(compare, "load_shards", lambda path: None)
+    monkeypatch.setattr(compare, "check_supports", lambda base, shards: None)
+    monkeypatch.setattr(compare, "plan_lines", lambda study, base, shards: [])
+    monkeypatch.setattr(compare, "default_workers", lambda base, study: 1)
+
+
+def test_each_dataset_gets_its_own_folder_and_a_stopped_comparison_names_its_own_command(monkeypatch, no_data):
     called = {}
 
-    def fake_ablate(argv: list[str], command: list[str]) -> int:
+    def fake_ablate(argv: list[str], command: list[str], echo_report: bool) -> int:
         called.update(argv=argv, command=command)
         return 130  # as a stopped study returns: compare passes it on and reads nothing
 
     monkeypatch.setattr(compare.ablate, "main", fake_ablate)
-    monkeypatch.setattr(compare, "prepare_for", lambda base: tmp_path / f"{Path(base.dataset).name}-bpe8192-0123abcd")
     assert compare.main(["--dataset=my_docs.jsonl", "--seeds=2"]) == 130
     assert called["argv"][1:] == [
         "--dataset=my_docs.jsonl",
@@ -120,14 +184,14 @@ def test_each_dataset_gets_its_own_folder_and_a_stopped_comparison_names_its_own
 def test_a_study_the_settings_make_impossible_is_refused_before_any_data_is_prepared(monkeypatch, capsys):
     prepared = []
     monkeypatch.setattr(compare, "prepare_for", lambda base: prepared.append(base) or Path("data/x"))
-    assert compare.main(["--doc_mask=false"]) == 1 and compare.main(["--early_band=0,600"]) == 1
+    assert compare.main(["--doc_mask=false"]) == 1 and compare.main(["--early_band=0,1100"]) == 1
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("error: doc_mask=false: a study's reference trains with every fix on")
-    assert err[1] == "error: early_band=[0, 600] reaches past seq_len=512: no position there is scored"
+    assert err[1] == "error: early_band=[0, 1100] reaches past seq_len=1024: no position there is scored"
     assert not prepared  # the preparation names the study's folder: it came first, and could take hours
 
 
-def test_a_figure_the_disk_has_no_room_for_is_one_line(monkeypatch, tmp_path, capsys):
+def test_a_figure_the_disk_has_no_room_for_is_one_line(monkeypatch, tmp_path, no_data, capsys):
     """The runs done, the comparison's own figure cannot be written: one line, as every writer's full disk."""
     from errors import SaveFailed
 
@@ -135,8 +199,7 @@ def test_a_figure_the_disk_has_no_room_for_is_one_line(monkeypatch, tmp_path, ca
     out.mkdir()
     run = {"val_doc_loss_sum_by_position": [5.0, 4.0], "val_doc_count_by_position": [1, 1]}
     (out / "results.json").write_text(json.dumps({"runs": {"learned": {"reference": {"0": run}}}}))
-    monkeypatch.setattr(compare.ablate, "main", lambda argv, command: 0)
-    monkeypatch.setattr(compare, "prepare_for", lambda base: tmp_path / "data")
+    monkeypatch.setattr(compare.ablate, "main", lambda argv, command, echo_report: 0)
     monkeypatch.setattr(compare, "unigram_loss", lambda shard_path: 6.0)
     monkeypatch.setattr(compare, "training_extent", lambda saved, out, unigram: {})
 

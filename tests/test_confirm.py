@@ -308,7 +308,7 @@ def test_a_diverged_run_is_never_within_rounding(decided):
 # The registration
 
 
-STUDIES_WITH_QUICK = '[studies]\nquick = "configs/compare.toml"\n'  # learned and RoPE, no_doc_mask, no late band
+STUDIES_WITH_QUICK = '[studies]\nquick = "configs/compare.toml"\n'  # RoPE, naive, no late band
 
 
 def registration_text(n_primary: int, study: str = "rung3", extra: str = "") -> str:
@@ -353,7 +353,10 @@ def registration_text(n_primary: int, study: str = "rung3", extra: str = "") -> 
             r"\[invariance\] names rope/no_bos, a cell that study",
         ),
         (
-            registration_text(1, study="quick").replace("[studies]\n", STUDIES_WITH_QUICK).replace('"early"', '"late"'),
+            registration_text(1, study="quick")
+            .replace("[studies]\n", STUDIES_WITH_QUICK)
+            .replace('"early"', '"late"')
+            .replace('pos = "learned"\nvariant = "no_doc_mask"', 'pos = "rope"\nvariant = "naive"'),
             "is on the late band, which study 'quick' does not measure",
         ),
         (registration_text(1).replace("plan_sd = 0.05", 'plan_sd_from = "learned"'), "is not pos/variant"),

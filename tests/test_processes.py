@@ -87,6 +87,7 @@ def test_a_run_without_an_evaluation_is_summarised_with_what_it_has(tmp_path):
     write_run(tmp_path / "empty", [], checkpoint=False)
     summary = run_summary(Config(out_dir=str(tmp_path / "empty")), seconds=3)
     assert "no evaluation and no training step logged" in summary and "checkpoint: none written" in summary
+    assert not summary_commands(summary)  # nothing to sample, export or continue from: no command that fails
 
 
 def test_a_stopped_run_is_summarised_with_its_last_evaluation_and_only_its_resume(tmp_path):
