@@ -33,6 +33,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,7 @@ import torch
 
 import api
 import sample
-from cli import run_main
+from cli import format_duration, run_main, settings_from
 from config import Config, resolve_device
 from errors import ConfigError, DataError, SaveFailed
 from prepare import prepare_for
@@ -48,7 +49,7 @@ from run.checkpoint import read_checkpoint
 from shards import Shards, leading_documents, load_shards
 from studies import ablate, stats
 from studies.plan import Study, check_against, parse_args, primary_endpoints, seeds_of_cells
-from studies.report import band_loss, save_figure
+from studies.report import band_loss, endpoint_label, save_figure
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "compare.toml"
 LABELS = {
@@ -59,12 +60,8 @@ LABELS = {
     "no_mask_boundary_loss": "boundary loss mask off",
 }
 ARM_NAMES = {"naive": "naive", "no_doc_mask": "mask off", "no_reset_position_ids": "reset off"}
-# endpoint: (how the table says it, its bits-per-byte twin)
-ENDPOINTS = {
-    "early": ("positions 0-15, alone", None),
-    "from_second": ("whole documents, alone", "bpb"),
-    "in_context": ("whole documents, in context", "bpb_in_context"),
-}
+# the table's endpoints, each with its bits-per-byte twin
+ENDPOINTS = {"early": None, "from_second": "bpb", "in_context": "bpb_in_context"}
 # The paired spread (sd over seeds of an arm's loss minus the reference's) that sizes a comparison: the
 # confirmatory study's, measured at 9.2M tokens on `packages` with the document mask off (8 seeds,
 # results/confirm_rung3/); in context as alone until the practitioner's study measures it
@@ -81,6 +78,7 @@ POWER = 0.8
 WELL_TRAINED_TOKENS_PER_PARAMETER = 10
 WELL_TRAINED_NATS_UNDER_UNIGRAM = 1.0
 SMOKE_TOKENS_PER_PARAMETER = 1  # below this a comparison is a smoke test: it decides nothing, by design
+MOST_EPOCHS = 2  # the practitioner's study's bound on its prose corpus
 FEWEST_VALIDATION_DOCUMENTS = 50  # an effect on fewer documents speaks for those documents, not the corpus
 # a variant that raises the loss ("hurts", in stats.py's words) means the fix it turns off helps
 DECIDED = {"hurts": "decided: careful helps", "helps": "decided: careful hurts", "negligible": "decided: negligible"}
@@ -133,11 +131,18 @@ def plan_lines(study: Study, base: Config, shards: Shards) -> list[str]:
         f"{per_parameter:.1f} tokens a parameter; {', '.join(f'{p} {n / 1e6:.2f}M' for p, n in parameters.items())} "
         f"parameters), {study.seeds} seeds, arms {', '.join(v for v in study.variants)}"
     )
+    epochs = tokens_per_run(base) / max(len(shards.train), 1)
+    if epochs > MOST_EPOCHS:
+        lines.append(
+            f"note: a run reads the training split {epochs:.1f} times ({len(shards.train) / 1e6:.2f}M tokens); beyond "
+            f"{MOST_EPOCHS} epochs the effects include what repetition does (the studies stayed under 2)"
+        )
     for pos in study.pos_embs:
         smallest = smallest_effects(study, pos, study.seeds)
         lines.append(
             f"power: with {study.seeds} seeds this comparison can decide effects of at least {smallest['early']:.3f} "
-            f"nats on positions 0-15 and {smallest['whole']:.3f} on whole documents ({pos}; power {POWER}, Holm; "
+            f"nats on {endpoint_label('early', study).removesuffix(', alone')} and {smallest['whole']:.3f} on whole "
+            f"documents ({pos}; power {POWER}, Holm; "
             "at the paired spreads measured on `packages`, results/confirm_rung3/), if the models train as far"
         )
     return lines
@@ -242,7 +247,9 @@ def effect_text(effect: dict | None) -> str:
 
 
 def summary_table(saved: dict, extent: dict) -> str:
-    """The short table: one line a position kind, arm and endpoint, nats a token and bits a byte."""
+    """The short table: one line a position kind, arm and endpoint, nats a token and bits a byte, in the
+    words of the figures (report.endpoint_label)."""
+    study = settings_from(Study, saved["study"], "python -m studies.ablate --help")
     tests = sum(e.get("role") == "primary" for cell in saved["summary"].values() for e in cell["endpoints"].values())
     lines = [
         f"{'positions':9} {'arm':9} {'scored on':28} {'nats a token [95% interval]':29} "
@@ -251,8 +258,9 @@ def summary_table(saved: dict, extent: dict) -> str:
     for pos in saved["runs"]:
         for variant in (v for v in saved["runs"][pos] if v != "reference"):
             found = saved["summary"].get(f"{pos}/{variant}", {}).get("endpoints", {})
-            for endpoint, (where, bpb) in ENDPOINTS.items():
+            for endpoint, bpb in ENDPOINTS.items():
                 if endpoint in found:
+                    where = endpoint_label(endpoint, study)
                     nats, bits = effect_text(found[endpoint]), effect_text(found.get(bpb))
                     arm = ARM_NAMES.get(variant, variant)
                     verdict = verdict_words(found[endpoint], extent)
@@ -335,6 +343,11 @@ def position_bins(positions: int) -> list[int]:
 def longer_run_hint(extent: dict) -> str:
     if extent["well_trained"]:
         return ""
+    if extent["smoke"]:
+        return (
+            "the smoke test ran; the comparison that decides: python -m studies.compare --dataset=... (about an "
+            "hour on 2 CPU cores)"
+        )
     factor = math.ceil(WELL_TRAINED_TOKENS_PER_PARAMETER / max(extent["tokens_per_parameter"], 1e-9))
     return (
         f"to decide smaller effects, train at least {factor}x longer (--max_iters=...; the default config trains "
@@ -389,6 +402,7 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
         return 0
+    started = time.time()
     config, rest = (argv[0], argv[1:]) if argv and not argv[0].startswith("--") else (str(DEFAULT_CONFIG), argv)
     given = [a for a in rest if a.startswith("--workers=")]
     rest = [a for a in rest if a not in given]
@@ -415,6 +429,7 @@ def main(argv: list[str]) -> int:
     print(
         f"\nthe figure: {out / 'by_position.png'}; every endpoint: {out / 'results.md'}" + (f"\n{hint}" if hint else "")
     )
+    print(f"this command took {format_duration(time.time() - started)}, {workers} process(es) training")
     return 0
 
 

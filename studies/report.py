@@ -224,6 +224,20 @@ ENDPOINT_NAMES = {
 }
 
 
+def endpoint_label(name: str, study: Study) -> str:
+    """An endpoint as the figures and studies.compare's table say it: where it is scored, and how."""
+    bands = {"early": study.early_band, "middle": study.middle_band, "late": study.late_band}
+    if name in bands:
+        return f"positions {bands[name][0]}-{bands[name][1] - 1}, alone"
+    words = {
+        "from_second": "whole documents, alone",
+        "in_context": "whole documents, in context",
+        "bpb": "whole documents, alone, bits a byte",
+        "bpb_in_context": "whole documents, in context, bits a byte",
+    }
+    return words.get(name, ENDPOINT_NAMES[name])
+
+
 def describe_effect(entry: dict) -> str:
     """One cell of a table: the effect, its interval and what it says."""
     if entry["role"] == "invariant":
@@ -476,6 +490,8 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
         return fig, axes[0]
 
     fig, axes = panels()
+    for ax in axes[1:]:  # one effect scale for every panel, so that panels compare at a glance
+        ax.sharex(axes[0])
     draw_effects(axes, runs, summary, study)
     save_figure(fig, out / "effects.png")
     fig, axes = panels()
@@ -495,7 +511,7 @@ def draw_effects(axes, runs: dict, summary: dict, study: Study) -> None:
     """effects.png: every primary effect with its 95% interval, a panel per position kind."""
     for ax, pos in zip(axes, runs):
         rows = [
-            (f"{variant}: {ENDPOINT_NAMES[name]}", entry)
+            (f"{variant}: {endpoint_label(name, study)}", entry)
             for variant in runs[pos]
             for name, entry in summary[f"{pos}/{variant}"]["endpoints"].items()
             if name in primary_endpoints(study, variant) and "role" in entry
@@ -514,7 +530,7 @@ def draw_effects(axes, runs: dict, summary: dict, study: Study) -> None:
                 )
         ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
         ax.axvline(0, color="black", lw=0.8)
-        ax.set_xlabel("effect vs baseline (nats), 95% CI")
+        ax.set_xlabel("the variant's loss minus its baseline's, paired by seed (nats a token; 95% interval)")
 
 
 def draw_loss_by_position(axes, runs: dict, study: Study) -> None:

@@ -60,6 +60,21 @@ def test_position_bins_double_and_cover_every_position_once():
     assert binned[:3] == [2.0, 3.0, 3.0] and math.isnan(binned[3])  # positions 2-3 weighted by tokens; 4: none
 
 
+def test_the_plan_says_a_smoke_test_first_and_names_repetition(monkeypatch):
+    from types import SimpleNamespace
+
+    small = SimpleNamespace(vocab_size=4096, train=np.zeros(1_000_000, dtype=np.uint16))  # 1M training tokens
+    study, base = plan.parse_args([str(ROOT / "configs" / "compare.toml")])
+    lines = compare.plan_lines(study, base, small)
+    assert lines[0].startswith("plan: 12 runs of 3,000 steps (6.14M tokens, 13.") and "rope 0.46M" in lines[0]
+    assert lines[1].startswith("note: a run reads the training split 6.1 times (1.00M tokens)")
+    smallest = compare.smallest_effects(study, "rope", 6)
+    assert f"at least {smallest['early']:.3f} nats on positions 0-15 and {smallest['whole']:.3f}" in lines[2]
+    study, base = plan.parse_args([str(ROOT / "configs" / "compare_smoke.toml")])
+    lines = compare.plan_lines(study, base, SimpleNamespace(vocab_size=4096, train=np.zeros(50_000_000)))
+    assert lines[0].startswith("smoke test: 0.27 tokens a parameter decide nothing") and not lines[2].startswith("note")
+
+
 def test_the_shipped_configs_are_the_practitioners_two_arms_with_rope():
     for name in ("compare.toml", "compare_smoke.toml", "compare_gpu.toml"):
         study, base = plan.parse_args([str(ROOT / "configs" / name)])

@@ -70,6 +70,16 @@ def test_each_step_trains_at_the_learning_rate_of_the_schedule(tiny_corpus, tmp_
     assert logged == pytest.approx(expected, rel=1e-12)
 
 
+def test_an_evaluation_budget_shorter_than_a_row_scores_its_whole_documents(tiny_corpus, tmp_path):
+    """eval_tokens below seq_len (a newcomer's --seq_len=1024 --eval_tokens=512): the whole documents that fit
+    are scored (at least the first), in one short row, not refused as a validation split too small for a row."""
+    args = tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", max_iters=1, warmup_iters=0, eval_interval=1)
+    train.train(parse_config(args + ["--seq_len=256", "--eval_tokens=40"]))
+    evaluation = [r for r in metrics(tmp_path / "run") if "val_doc_loss" in r][-1]
+    assert len(evaluation["val_doc_count_by_document"]) == 1  # the first document is longer than 40 tokens
+    assert 40 < evaluation["val_doc_count_by_document"][0] < 256
+
+
 def test_evaluation_follows_the_runs_packing_and_flags_only_in_val_loss():
     """val_loss against a hand loop over the concat rows under each setting's rules; val_doc_loss the same
     for every setting (documents alone, every fix on)."""
