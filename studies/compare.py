@@ -115,9 +115,8 @@ def smallest_effects(study: Study, pos: str, seeds: int) -> dict[str, float]:
 
 def plan_lines(study: Study, base: Config, shards: Shards) -> list[str]:
     """What the comparison will run and can decide; a smoke test says so first."""
-    parameters = {
-        pos: api.parameter_count(Config(**{**vars(base), "pos_emb": pos}), shards.vocab_size) for pos in study.pos_embs
-    }
+    ids = shards.vocab_size + int(base.bos)  # the start marker is the first id past the vocabulary
+    parameters = {pos: api.parameter_count(Config(**{**vars(base), "pos_emb": pos}), ids) for pos in study.pos_embs}
     per_parameter = tokens_per_run(base) / max(parameters.values())
     runs = sum(len(seeds) for seeds in seeds_of_cells(study).values())
     lines = []

@@ -66,13 +66,13 @@ def test_the_plan_says_a_smoke_test_first_and_names_repetition(monkeypatch):
     small = SimpleNamespace(vocab_size=4096, train=np.zeros(1_000_000, dtype=np.uint16))  # 1M training tokens
     study, base = plan.parse_args([str(ROOT / "configs" / "compare.toml")])
     lines = compare.plan_lines(study, base, small)
-    assert lines[0].startswith("plan: 12 runs of 3,000 steps (6.14M tokens, 13.") and "rope 0.46M" in lines[0]
+    assert lines[0].startswith("plan: 12 runs of 3,000 steps (6.14M tokens, 13.2 tokens") and "rope 0.46M" in lines[0]
     assert lines[1].startswith("note: a run reads the training split 6.1 times (1.00M tokens)")
     smallest = compare.smallest_effects(study, "rope", 6)
     assert f"at least {smallest['early']:.3f} nats on positions 0-15 and {smallest['whole']:.3f}" in lines[2]
     study, base = plan.parse_args([str(ROOT / "configs" / "compare_smoke.toml")])
     lines = compare.plan_lines(study, base, SimpleNamespace(vocab_size=4096, train=np.zeros(50_000_000)))
-    assert lines[0].startswith("smoke test: 0.27 tokens a parameter decide nothing") and not lines[2].startswith("note")
+    assert lines[0].startswith("smoke test: 0.26 tokens a parameter decide nothing") and not lines[2].startswith("note")
 
 
 def test_the_shipped_configs_are_the_practitioners_two_arms_with_rope():
@@ -118,6 +118,8 @@ def test_the_command_compares_on_a_tiny_setting_in_two_processes(tiny_corpus, tm
     assert (out / "worker2.log").read_text().count("=== run ") == 4  # it saw every run, trained or done
     assert (out / "by_position.png").stat().st_size > 10_000
     assert "# " not in result.stdout  # results.md is named, not printed
+    planned = result.stdout.split("tokens, ")[1].split(" tokens a parameter")[0]  # the plan's, before training
+    assert f"{planned} tokens a parameter" in result.stdout[result.stdout.index("trained: ") :]  # the models' own
     printed = result.stdout[result.stdout.index("trained: ") :]
     tokens = 3 * 4 * 64
     assert f"trained: {tokens / 1e6:.2f}M tokens a run" in printed and "barely trained" in printed
