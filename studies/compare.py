@@ -169,10 +169,10 @@ def train_runs(config: str, rest: list[str], command: list[str], workers: int, o
     with its checkpoint saved."""
     helpers = []
     for n in range(2, workers + 1):
-        log = (out / f"worker{n}.log").open("a")
-        helpers.append(
-            subprocess.Popen([sys.executable, "-m", "studies.ablate", config, *rest], stdout=log, stderr=log)
-        )
+        with (out / f"worker{n}.log").open("a") as log:  # the child holds its own copy of the file
+            helpers.append(
+                subprocess.Popen([sys.executable, "-m", "studies.ablate", config, *rest], stdout=log, stderr=log)
+            )
         print(f"worker {n} trains in the background: {out / f'worker{n}.log'}", flush=True)
     code = 1
     try:
@@ -305,7 +305,7 @@ def plot_by_position(saved: dict, path: Path) -> None:
             line = ax.plot(x, np.where(few, np.nan, mean), marker="o", markersize=3, linewidth=1.2)[0]
             line.set_label(LABELS.get(variant, variant))
             last = np.flatnonzero(~few)[-1:]  # the dotted tail starts at the last solid point
-            tail = np.zeros_like(few) | few
+            tail = few.copy()
             tail[last] = True
             ax.plot(x[tail], mean[tail], linestyle=":", color=line.get_color(), alpha=0.45, marker="o", markersize=2)
             if len(curves) > 1:

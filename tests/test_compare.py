@@ -149,6 +149,34 @@ def test_data_too_small_to_decide_anything_is_refused_before_any_run(tiny_corpus
     assert not out.exists()
 
 
+def test_a_failed_or_stopped_comparison_stops_its_background_workers(monkeypatch, tmp_path):
+    signals = []
+
+    class Worker:  # a background process still training when this one ends
+        returncode = None
+
+        def __init__(self, argv, stdout, stderr):
+            self.argv = argv
+
+        def poll(self):
+            return self.returncode
+
+        def send_signal(self, signum):
+            signals.append(signum)
+            self.returncode = 130  # it saves its checkpoint and exits as a stopped study does
+
+        def wait(self):
+            return self.returncode
+
+    monkeypatch.setattr(compare.subprocess, "Popen", Worker)
+    monkeypatch.setattr(compare.ablate, "main", lambda argv, command, echo_report: 130)
+    assert compare.train_runs("c.toml", ["--seeds=2"], ["python"], 3, tmp_path) == 130
+    assert signals == [compare.signal.SIGINT] * 2 and (tmp_path / "worker3.log").is_file()
+    monkeypatch.setattr(compare.ablate, "main", lambda argv, command, echo_report: 0)
+    Worker.returncode = 0  # finished with this process: nothing to stop
+    assert compare.train_runs("c.toml", [], ["python"], 2, tmp_path) == 0 and len(signals) == 2
+
+
 @pytest.mark.parametrize("workers", ["0", "two"])
 def test_a_bad_worker_count_is_one_error_line(tiny_corpus, tmp_path, workers, capsys):
     argv = [
