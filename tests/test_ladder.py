@@ -83,7 +83,7 @@ def test_rungs_side_by_side_by_tokens(tmp_path, capsys):
 
 
 def test_rungs_are_read_from_studies_dir_and_the_ladder_written_under_out(tmp_path, monkeypatch):
-    """--studies_dir=DIR reads each rung from DIR/<the last part of its out_dir> (results/ladder_rung1 for
+    """--studies_dir=DIR reads each rung from DIR/<the last part of its out_dir> (results/history/ladder_rung1 for
     out/ladder_rung1, the committed rungs); without --out_dir the ladder goes to out/ladder, which git ignores."""
     config = rung_config(tmp_path, "rung", 150)
     write_runs(tmp_path, "rung", no_doc_mask_runs([0.19, 0.2, 0.21]))

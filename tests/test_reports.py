@@ -16,22 +16,24 @@ from conftest import ROOT
 from studies import confirm, ladder, report
 
 COMMITTED = ROOT / "results"
+DECIDED, HISTORY = COMMITTED / "decided", COMMITTED / "history"
 # written before results.json recorded the study's settings (2026-11-30): today's code refuses to rebuild them
-FROM_BEFORE_REBUILDS = ("ablate_cpu_pilot", "import_leak_cpu")
-REBUILDABLE = sorted(
-    folder.name
-    for folder in COMMITTED.iterdir()
-    if (folder / "results.json").is_file() and folder.name not in FROM_BEFORE_REBUILDS
+FROM_BEFORE_REBUILDS = ("pilots/ablate_cpu_pilot", "history/import_leak_cpu")
+# a study's folder under results/, as <group>/<study> (a running study's at the top: <study>)
+STUDIES = sorted(
+    saved.parent.relative_to(COMMITTED).as_posix()
+    for saved in [*COMMITTED.glob("*/results.json"), *COMMITTED.glob("*/*/results.json")]
 )
+REBUILDABLE = [name for name in STUDIES if name not in FROM_BEFORE_REBUILDS]
 # the commit that last rebuilt a report: the one part of it that moves on with the code
 REBUILT_AT = re.compile(r"(rebuilt from its runs at commit )[^\n]*")
 
 
 def rebuild_command(name: str) -> list[str]:
     """studies.report's arguments for a committed study, from the repository's root: its config too where it
-    did not record its training settings (studies before 2026-12-02; each ran configs/<its folder>.toml)."""
+    did not record its training settings (studies before 2026-12-02; each ran configs/<its folder's name>.toml)."""
     recorded = "config" in json.loads((COMMITTED / name / "results.json").read_text())
-    return [f"results/{name}/results.json", *([] if recorded else [f"configs/{name}.toml"])]
+    return [f"results/{name}/results.json", *([] if recorded else [f"configs/{name.split('/')[-1]}.toml"])]
 
 
 @pytest.mark.parametrize("name", REBUILDABLE)
@@ -58,32 +60,34 @@ def test_the_committed_ladder_is_what_todays_code_writes(tmp_path, monkeypatch, 
     """From the committed rungs, the configs it names, in the order it has them."""
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(ladder, "plot", lambda *figure_inputs: None)
-    configs = [rung["config"] for rung in json.loads((COMMITTED / "ladder" / "ladder.json").read_text())]
-    assert ladder.main([*configs, "--studies_dir=results", f"--out_dir={tmp_path}"]) == 0, capsys.readouterr().err
+    configs = [rung["config"] for rung in json.loads((HISTORY / "ladder" / "ladder.json").read_text())]
+    assert ladder.main([*configs, "--studies_dir=results/history", f"--out_dir={tmp_path}"]) == 0, (
+        capsys.readouterr().err
+    )
     for name in ("ladder.md", "ladder.json"):
-        assert (tmp_path / name).read_bytes() == (COMMITTED / "ladder" / name).read_bytes(), (
-            f"results/ladder/{name} is not what today's code writes from the committed rungs: if the change is "
-            f"meant, rebuild it (python -m studies.ladder {' '.join(configs)} --studies_dir=results "
-            "--out_dir=results/ladder) and say what changed in its README.md"
+        assert (tmp_path / name).read_bytes() == (HISTORY / "ladder" / name).read_bytes(), (
+            f"results/history/ladder/{name} is not what today's code writes from the committed rungs: if the change is "
+            f"meant, rebuild it (python -m studies.ladder {' '.join(configs)} --studies_dir=results/history "
+            "--out_dir=results/history/ladder) and say what changed in its README.md"
         )
 
 
 def test_the_committed_confirmatory_decisions_are_what_todays_code_writes(tmp_path, monkeypatch, capsys):
     """From the committed studies that configs/confirm.toml registers: the decisions, every number beside them."""
     monkeypatch.chdir(ROOT)
-    assert confirm.main(["configs/confirm.toml", "--studies_dir=results", f"--out_dir={tmp_path}"]) == 0, (
+    assert confirm.main(["configs/confirm.toml", "--studies_dir=results/decided", f"--out_dir={tmp_path}"]) == 0, (
         capsys.readouterr().err
     )
     for name in ("confirm.md", "confirm.json"):
-        assert (tmp_path / name).read_bytes() == (COMMITTED / "confirm" / name).read_bytes(), (
-            f"results/confirm/{name} is not what today's code writes from the committed studies: if the change "
-            "is meant, rebuild it (python -m studies.confirm configs/confirm.toml --studies_dir=results "
-            "--out_dir=results/confirm) and say what changed in its README.md"
+        assert (tmp_path / name).read_bytes() == (DECIDED / "confirm" / name).read_bytes(), (
+            f"results/decided/confirm/{name} is not what today's code writes from the committed studies: if the change "
+            "is meant, rebuild it (python -m studies.confirm configs/confirm.toml --studies_dir=results/decided "
+            "--out_dir=results/decided/confirm) and say what changed in its README.md"
         )
 
 
 def committed_runs(study: str, pos: str, variant: str) -> dict[int, dict]:
-    runs = COMMITTED / study / "runs" / study / pos / variant
+    runs = DECIDED / study / "runs" / study / pos / variant
     return {
         int(f.parent.name.removeprefix("seed")): json.loads(f.read_text())["result"] for f in runs.glob("*/result.json")
     }
@@ -115,7 +119,7 @@ def paired_band_effects(study: str, pos: str, variant: str, band: tuple[int, int
 
 def test_the_committed_confirmatory_decisions_recompute_with_scipy_from_the_runs():
     """Independent of studies/: each run's result.json, scipy's tests and Holm's step-down written out here."""
-    decided = json.loads((COMMITTED / "confirm" / "confirm.json").read_text())
+    decided = json.loads((DECIDED / "confirm" / "confirm.json").read_text())
     where = {
         "the mask, learned": ("confirm_rung3", "learned", "no_doc_mask"),
         "the mask, RoPE": ("confirm_rung3", "rope", "no_doc_mask"),
@@ -158,7 +162,7 @@ def test_a_committed_report_is_rewritten_only_where_told(tmp_path, monkeypatch, 
     monkeypatch.setattr(report, "plot", lambda *figure_inputs: None)
     study = tmp_path / "study"
     study.mkdir()
-    shutil.copy(COMMITTED / "import_leak_cpu_bos" / "results.json", study / "results.json")
+    shutil.copy(DECIDED / "import_leak_cpu_bos" / "results.json", study / "results.json")
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     subprocess.run(["git", "-C", str(tmp_path), "add", "study/results.json"], check=True)
     assert report.main([str(study / "results.json")]) == 1
