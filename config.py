@@ -7,20 +7,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from data import Flags
 from errors import ConfigError
-
-if TYPE_CHECKING:  # the model (and torch.compile's import) only for the type: every script imports this file
-    from model import GPTConfig
 
 MAX_SEED = 2**63 - 1  # what torch, numpy and the data hash all take
 
@@ -40,7 +34,7 @@ def setting(
     return field(default=default, metadata=metadata)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     # data
     dataset: str = setting(
@@ -211,24 +205,6 @@ def validate(cfg: Config) -> None:
         )
 
 
-def check_fits(config: GPTConfig, batch_size: int, device: torch.device) -> None:
-    """Refuse a model that cannot fit: weights, gradients and AdamW state (16 bytes a parameter) plus one fp32
-    copy of the logits are a lower bound on what training needs."""
-    d, T = config.n_embd, config.seq_len
-    params = config.vocab_size * d + config.n_layer * (12 * d * d + 4 * d) + 2 * d
-    params += T * d if config.pos_emb == "learned" else 0
-    need = 16 * params + 4 * batch_size * T * config.vocab_size
-    if device.type == "cuda":
-        have = torch.cuda.get_device_properties(device).total_memory
-    else:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
-        raise ConfigError(
-            f"the model ({params / 1e6:,.1f}M parameters, {batch_size} x {T} tokens a micro-batch) needs about "
-            f"{need / 1e9:,.1f} GB to train on {device.type}, and this machine has {have / 1e9:,.1f} GB"
-        )
-
-
 def resolve_device(name: str) -> torch.device:
     """The device a `device` setting names, if this machine has it."""
     if name == "auto":
@@ -245,7 +221,7 @@ def resolve_device(name: str) -> torch.device:
 
 # ----------------------------------------------------------------------------------------------
 # The data settings by their names in a prepared folder's meta.json ("settings"): prepare.py writes them
-# (prepared_settings), and a run given the folder reads them back (adopt_prepared_settings)
+# (prepared_settings), and a run given the folder reads them back (resolve.with_prepared_settings)
 
 SETTINGS_IN_META = {"val_fraction": "val_fraction", "data_seed": "seed", "text_field": "text_field"}
 BPE_SETTINGS_IN_META = {"tokenizer_vocab_size": "vocab_size", "tokenizer_train_mb": "tokenizer_train_mb"}
@@ -262,30 +238,3 @@ def prepared_settings(cfg: Config) -> dict:
     else:
         made.update(tokenizer=cfg.tokenizer)
     return made
-
-
-def adopt_prepared_settings(cfg: Config, folder: Path, meta: dict, log: Callable[[str], None]) -> None:
-    """The data settings a prepared folder was made with become the run's, so that config.json records what
-    the run used; a setting given otherwise (not its default) contradicts the data and is refused."""
-    made, defaults, adopted = meta["settings"], Config(), []
-    same_tokenizer = cfg.tokenizer == meta["tokenizer"] or (  # a .tiktoken file is known by its content
-        Path(cfg.tokenizer).is_file()
-        and hashlib.sha256(Path(cfg.tokenizer).read_bytes()).hexdigest() == made["tokenizer"]
-    )
-    used = {
-        "tokenizer": cfg.tokenizer if same_tokenizer else meta["tokenizer"],
-        **{key: made.get(name, getattr(cfg, key)) for key, name in BPE_SETTINGS_IN_META.items()},
-        **{key: made[name] for key, name in SETTINGS_IN_META.items()},
-    }
-    for key, value in used.items():
-        if getattr(cfg, key) == value:
-            continue
-        if getattr(cfg, key) != getattr(defaults, key):
-            raise ConfigError(
-                f"{key}={getattr(cfg, key)!r}, but {folder} was prepared with {key}={value!r}: drop the setting to "
-                "train on that folder, or give the corpus itself to prepare it with yours"
-            )
-        setattr(cfg, key, value)
-        adopted.append(f"{key}={value!r}")
-    if adopted:
-        log(f"data: {folder} was prepared with {', '.join(adopted)}; the run uses (and records) those")

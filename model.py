@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
-@dataclass
+@dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int = 8192
     seq_len: int = 256
@@ -33,7 +33,6 @@ class GPTConfig:
     pos_emb: str = "learned"  # "learned" | "rope"
     rope_base: float = 10000.0
     attn_impl: str = "auto"  # "auto" (flex on CUDA, sdpa elsewhere) | "flex" | "sdpa"
-    flex_kernel_options: dict | None = None  # FlexAttention's kernel_options on CUDA (None: PyTorch's defaults)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -57,13 +56,12 @@ def document_causal_by_ids(doc_ids: torch.Tensor):
     return document_causal
 
 
-def document_causal_block_mask(doc_ids: torch.Tensor, mask_function=document_causal_by_ids) -> BlockMask:
+def document_causal_block_mask(doc_ids: torch.Tensor) -> BlockMask:
     """The dense mask as a BlockMask. B must be the batch size: with B=None a batch-dependent mask is silently
     wrong in the compiled kernel."""
     B, T = doc_ids.shape
     build = compiled_create_block_mask if doc_ids.is_cuda else create_block_mask
-    mask_mod = mask_function(doc_ids)
-    return build(mask_mod, B=B, H=None, Q_LEN=T, KV_LEN=T, device=doc_ids.device)
+    return build(document_causal_by_ids(doc_ids), B=B, H=None, Q_LEN=T, KV_LEN=T, device=doc_ids.device)
 
 
 # Lazy: nothing compiles until the first call; inside a compiled model the call is inlined into its graph.
@@ -91,13 +89,12 @@ def attention_mask(doc_ids: torch.Tensor, doc_mask: bool, attn_impl: str = "auto
     return document_causal_dense(doc_ids)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, kernel_options=None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if isinstance(mask, BlockMask):
         # compiled even in an eager model: eager flex is only a slow reference (inlined in a compiled model)
-        options = kernel_options if q.is_cuda else None
-        return compiled_flex_attention(q, k, v, block_mask=mask, kernel_options=options)
+        return compiled_flex_attention(q, k, v, block_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -125,7 +122,7 @@ def apply_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head, self.n_embd, self.kernel_options = config.n_head, config.n_embd, config.flex_kernel_options
+        self.n_head, self.n_embd = config.n_head, config.n_embd
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -138,7 +135,7 @@ class CausalSelfAttention(nn.Module):
             # rotated in the (B, T, H, D) layout, q and k in one call: the attention output takes the
             # query's memory layout, so the transpose back to (B, T, C) below stays a view, not a copy
             q, k = apply_rope(qkv[:, :, :2], *rope).unbind(2)
-        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.kernel_options)
+        y = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.proj(y))
 

@@ -49,7 +49,7 @@ def packing_statistics(documents: Documents, rows: Rows, seq_len: int, max_rows:
     piece = by_start[np.maximum(np.searchsorted(rows.start[by_start], documents.starts, side="right") - 1, 0)]
     is_whole = (rows.start[piece] <= documents.starts) & (whole <= rows.start[piece] + rows.length[piece])
     n_real = real.sum()
-    real_inputs = np.minimum(np.add.reduceat(rows.length, rows.first[:-1]), seq_len)  # every row, its T input slots
+    real_inputs = np.minimum(np.add.reduceat(rows.length, rows.offsets[:-1]), seq_len)  # every row, its T input slots
     return {
         "rows": len(rows),
         "rows_sampled": len(chosen),
@@ -123,7 +123,8 @@ class DocumentLosses:
 
     def __init__(self, rows: PackedBatches, device: torch.device, token_bytes: torch.Tensor | None = None) -> None:
         self.rows, self.device, self.token_bytes, self.has_bytes = rows, device, token_bytes, token_bytes is not None
-        self.n_documents, self.seq_len, self.marker = len(rows.documents), rows.seq_len, rows.documents.marker
+        self.n_documents, self.seq_len = len(rows.documents), rows.seq_len
+        self.has_marker = rows.documents.has_marker
         self.by_position = torch.zeros(2, self.seq_len, dtype=torch.float64, device=device)  # sums, counts
         # per document: losses and counts from the first text token, losses and counts from the second, the
         # first token's loss, the bytes of the targets from the second
@@ -136,7 +137,7 @@ class DocumentLosses:
         index, _ = self.rows.rows.index(np.arange(first_row, first_row + n_rows), self.seq_len + 1)
         target = np.maximum(index[:, 1:], 0)
         document = torch.from_numpy(self.rows.documents.document_of(target)).to(self.device)
-        position = torch.from_numpy(self.rows.documents.positions(target)).to(self.device)
+        position = torch.from_numpy(self.rows.documents.doc_positions(target)).to(self.device)
         real = torch.from_numpy(index[:, 1:] >= 0).to(self.device)
         every = [(losses * counted).sum(), counted.sum(), self.bytes_of(batch.targets, counted).sum()]
         self.every_target += torch.stack([x.double() for x in every])
@@ -146,9 +147,10 @@ class DocumentLosses:
         first = counted & (position == 0)
         sums = [losses * counted, counted, losses * from_second, from_second, losses * first, n_bytes]
         self.by_document.index_add_(1, document[counted], torch.stack([x.double()[counted] for x in sums]))
-        # a document's later chunk scored alone starts with nothing before it, at position seq_len - marker or
-        # beyond: binned by position it would make the last positions' means a row start's
-        binned = from_second & (position <= self.seq_len - self.marker)
+        # a document's later chunk scored alone starts with nothing before it, at doc position seq_len (less one
+        # for a BOS) or beyond: binned by position it would make the last positions' means a row start's
+        last_position = self.seq_len - 1 if self.has_marker else self.seq_len
+        binned = from_second & (position <= last_position)
         ones = torch.ones_like(losses[binned])
         self.by_position.index_add_(1, position[binned] - 1, torch.stack([losses[binned], ones]))
 
@@ -178,7 +180,7 @@ class DocumentLosses:
             "val_doc_loss_sum_by_document": rounded(sums),
             "val_doc_count_by_document": [int(x) for x in counts],
         }
-        if self.marker:
+        if self.has_marker:
             result["val_first_token_loss"] = sum(first_token) / max(1, self.n_documents)
             result["val_doc_first_token_loss_by_document"] = rounded(first_token)
         if self.has_bytes:

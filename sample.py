@@ -38,11 +38,9 @@ class SampleSettings:
 
 def trained_model(state: dict, device: torch.device, attn_impl: str | None = None) -> GPT:
     """The model of a checkpoint, in eval mode; attn_impl overrides the attention it trained with."""
-    known = {f.name for f in fields(GPTConfig)}  # checkpoints of earlier versions held doc_mask here
-    config = GPTConfig(**{k: v for k, v in state["model_config"].items() if k in known})
-    if attn_impl is not None:
-        config.attn_impl = attn_impl
-    model = GPT(config)
+    known = {f.name for f in fields(GPTConfig)}  # earlier checkpoints held doc_mask and flex_kernel_options here
+    saved = {k: v for k, v in state["model_config"].items() if k in known}
+    model = GPT(GPTConfig(**{**saved, "attn_impl": attn_impl or saved.get("attn_impl", "auto")}))
     model.load_state_dict(state["model"])
     return model.to(device).eval()
 

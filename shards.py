@@ -31,7 +31,7 @@ TIMINGS_FILE = "timings.json"  # how long the preparation took: the one file tha
 META_KEYS = (
     *("tokenizer_sha256", "pattern", "vocab_size", "eot_id", "dtype", "splits", "dataset", "tokenizer_name"),
     *("skipped", "bytes_read"),  # the preparation's own account, which `describe` prints
-    *("settings", "tokenizer"),  # the data settings a run on the folder adopts (train.adopt_prepared_settings)
+    *("settings", "tokenizer"),  # the data settings a run on the folder adopts (resolve.with_prepared_settings)
 )
 SETTINGS_KEYS = ("val_fraction", "seed", "text_field", "tokenizer")  # of meta["settings"], read the same way
 

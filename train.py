@@ -20,7 +20,6 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,35 +29,30 @@ from torch.nn.parallel import DistributedDataParallel
 import reports
 import shards
 from cli import Progress, help_text, parse_config, run_main
-from config import Config, adopt_prepared_settings, check_fits, eval_token_budget, warmup_steps
+from config import Config, warmup_steps
 from data import Batch, Flags, PackedBatches
 from errors import ConfigError, DataError, SaveFailed, Stopped, TrainingDiverged, interrupted_exit_code
 from model import GPT, GPTConfig, attention_impl, attention_mask
+from resolve import Plan, resolve
 from run import Session
 
-if TYPE_CHECKING:
-    from pretrained import Pretrained
 
-
-def train(cfg: Config) -> dict:
-    """Run training as configured; returns the last evaluation (on process 0)."""
-    start = None
-    if cfg.init_from and not cfg.resume:  # a resumed run's weights are in its checkpoint (the folder may be gone)
-        import pretrained  # only a run that starts from a folder needs it (and safetensors)
-
-        start = pretrained.start_of(cfg)
-    with Session(cfg) as session:
-        run = load_data(cfg, session)
-        model, optimizer = build_model(cfg, run, session, start)
+def train(plan: Plan) -> dict:
+    """Run the plan (resolve.resolve); returns the last evaluation (on process 0)."""
+    cfg = plan.cfg
+    with Session(cfg, plan.processes, plan.resumed) as session:
+        run = load_data(plan)
+        model, optimizer = build_model(plan)
         mirror = reports.WandbMirror(cfg) if cfg.wandb and session.main_process else None
-        first_step = session.start(model, optimizer, run.train, run.shard_path, run.meta, run.tokenizer, mirror)
-        warn_about(cfg, session)
+        first_step = session.start(
+            model, optimizer, run.train, plan.shard_path, plan.shards.meta, plan.tokenizer, mirror
+        )
         attention = attention_impl(cfg.doc_mask, cfg.attn_impl, session.device)
         reports.describe_run(cfg, session, model, attention, run.train, run.val_alone, run.val_tokens)
         with session.stop_requests():  # from here a stop signal finishes the step in flight (session.stop)
             result = loop(cfg, session, run, model, optimizer, TrainingLog(cfg, session, first_step))
         if session.main_process and cfg.sample_prompt and cfg.sample_tokens and result.get("step") == cfg.max_iters:
-            print(f"\nsample:\n{sample(cfg, model, run, session.device)}")
+            print(f"\nsample:\n{sample(cfg, model, plan, session.device)}")
     return result
 
 
@@ -76,7 +70,7 @@ def loop(cfg: Config, session: Session, run: RunData, model: GPT, optimizer, log
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro_batches = [run.train.next().to(session.device) for _ in range(cfg.grad_accum)]
-        loss = accumulate_gradients(training_model, micro_batches, precision, model.config)
+        loss = accumulate_gradients(training_model, micro_batches, precision, model.config, cfg.doc_mask)
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
@@ -115,15 +109,17 @@ def lr_at(step: int, cfg: Config) -> float:
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (cfg.lr - cfg.min_lr)
 
 
-def token_losses(model: torch.nn.Module, batch: Batch, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def token_losses(
+    model: torch.nn.Module, batch: Batch, config: GPTConfig, doc_mask: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The one loss of this repo: each token's cross-entropy (B, T), 0 where the target does not count, and
     which targets count. The attention mask is built here, once per batch, outside the (compiled) model."""
-    mask = attention_mask(batch.doc_ids, batch.doc_mask, config.attn_impl)
+    mask = attention_mask(batch.doc_ids, doc_mask, config.attn_impl)
     return model(batch.inputs, batch.position_ids, mask, batch.targets), batch.counted
 
 
 def accumulate_gradients(
-    model: torch.nn.Module, micro_batches: list[Batch], precision, config: GPTConfig
+    model: torch.nn.Module, micro_batches: list[Batch], precision, config: GPTConfig, doc_mask: bool
 ) -> torch.Tensor:
     """Backward over one step's micro-batches; returns its mean loss. Normalised by the counted targets of the
     whole step on every process, so each target weighs the same wherever it falls."""
@@ -138,7 +134,7 @@ def accumulate_gradients(
         # DDP averages gradients over processes at the last backward; the others skip that all-reduce
         with nullcontext() if last or world_size == 1 else model.no_sync():
             with precision:
-                loss = token_losses(model, batch, config)[0].sum() / n_counted
+                loss = token_losses(model, batch, config, doc_mask)[0].sum() / n_counted
             (loss * world_size).backward()  # undo DDP's average: the loss is already a global mean
         total += loss.detach()
     if world_size > 1:
@@ -174,7 +170,7 @@ def evaluate(
         for first_row, batch in zip(range(0, len(rows), rows.batch_size), rows.all_batches()):
             batch = batch.to(device)
             with precision:
-                losses, counted = token_losses(model, batch, model_config)
+                losses, counted = token_losses(model, batch, model_config, rows.flags.doc_mask)
             sums[scored].add(first_row, losses, counted, batch)
             progress.advance(1)
     model.train()
@@ -200,27 +196,16 @@ def validation_sets(
 # Model and optimizer
 
 
-def model_settings(cfg: Config, vocab_size: int) -> GPTConfig:
-    names = ("seq_len", "n_layer", "n_head", "n_embd", "dropout", "bias", "gelu", "pos_emb")
-    same = {name: getattr(cfg, name) for name in names}
-    return GPTConfig(vocab_size=math.ceil(vocab_size / 64) * 64, attn_impl=cfg.attn_impl, **same)  # 64: fast on GPU
-
-
-def build_model(cfg: Config, run: RunData, session: Session, start: Pretrained | None = None):
-    """The model and its optimizer: fresh, or with the weights of a pretrained folder (`start`); a resumed
+def build_model(plan: Plan):
+    """The model and its optimizer: fresh, or with the weights of a pretrained folder (plan.start); a resumed
     run's states are restored into them by session.start."""
-    torch.manual_seed(cfg.seed)
-    model_config = model_settings(cfg, run.tokenizer.n_vocab)
-    if session.resumed is not None or start is not None:  # a run from a folder has its rows, not a multiple of 64
-        resumed = session.resumed
-        model_config.vocab_size = resumed["model_config"]["vocab_size"] if resumed else start.vocab_size(run.tokenizer)
-    check_fits(model_config, cfg.batch_size, session.device)
-    model = GPT(model_config).to(session.device)
-    if start is not None:
-        start.load_into(model, run.tokenizer)
-    if session.world_size > 1:
-        torch.manual_seed(cfg.seed + session.rank)  # the same init everywhere, different dropout masks per process
-    return model, optimizer_for(model, cfg)
+    torch.manual_seed(plan.cfg.seed)
+    model = GPT(plan.model).to(plan.device)
+    if plan.start is not None:
+        plan.start.load_into(model, plan.tokenizer)
+    if plan.world_size > 1:
+        torch.manual_seed(plan.cfg.seed + plan.rank)  # the same init everywhere, different dropout masks per process
+    return model, optimizer_for(model, plan.cfg)
 
 
 def optimizer_for(model: GPT, cfg: Config) -> torch.optim.AdamW:
@@ -244,11 +229,11 @@ def data_parallel(model: torch.nn.Module, device: torch.device) -> DistributedDa
     return DistributedDataParallel(model, device_ids=ddp_devices, forward_sync_buffers=False)
 
 
-def sample(cfg: Config, model: GPT, run: RunData, device: torch.device) -> str:
-    prompt = torch.tensor([shards.document_opening(run.tokenizer, cfg.sample_prompt)], device=device)
+def sample(cfg: Config, model: GPT, plan: Plan, device: torch.device) -> str:
+    prompt = torch.tensor([shards.document_opening(plan.tokenizer, cfg.sample_prompt)], device=device)
     with autocast(device, cfg.dtype):
-        out = model.eval().generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50, stop_token=run.eot_id)
-    return shards.decoded(run.tokenizer, out[0].tolist())
+        out = model.eval().generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50, stop_token=plan.shards.eot_id)
+    return shards.decoded(plan.tokenizer, out[0].tolist())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,10 +242,6 @@ def sample(cfg: Config, model: GPT, run: RunData, device: torch.device) -> str:
 
 @dataclasses.dataclass
 class RunData:
-    shard_path: Path
-    meta: dict  # the prepared folder's meta.json
-    eot_id: int
-    tokenizer: object  # the run's tiktoken Encoding, with the start marker when the run has it
     train: PackedBatches
     val_packed: PackedBatches  # the validation documents packed as the run packs
     val_alone: PackedBatches  # and each alone (best-fit rows under the document mask and reset positions)
@@ -268,63 +249,24 @@ class RunData:
     token_bytes: torch.Tensor  # each id's UTF-8 bytes (0 for EOT and BOS), for bits per byte
 
 
-def load_data(cfg: Config, session: Session) -> RunData:
-    """The shards (a resumed run's own, or prepared), loaded once, the tokenizer, and every split's rows."""
-    guessed_vocab = (cfg.tokenizer_vocab_size if cfg.tokenizer == "bpe" else 256) + cfg.bos
-    check_fits(model_settings(cfg, guessed_vocab), cfg.batch_size, session.device)  # before a long preparation
-    if session.resumed is not None:  # a resumed run trains on the shards it started on, or not at all
-        shard_path, prepared = shards.load_trained_on(Path(cfg.out_dir) / "ckpt.pt", session.resumed)
-    else:
-        shard_path, prepared = prepared_data(cfg, session)
-    if cfg.eval_tokens == -1:  # resolved once, and kept in config.json and the checkpoint: a resumed run
-        # (whose max_iters or eval_interval may change) evaluates on the same documents
-        saved = session.resumed["config"]["eval_tokens"] if session.resumed is not None else -1
-        cfg.eval_tokens = saved if saved >= 0 else eval_token_budget(cfg, session.world_size)
-    eot_id, enc = prepared.eot_id, shards.load_tokenizer(shard_path)
-    val = shards.leading_documents(prepared.val, eot_id, cfg.eval_tokens)
-    bos_id = shards.start_marker_id(enc) if cfg.bos else None
-    shape = dict(eot_id=eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, packing=cfg.packing, bos_id=bos_id)
+def load_data(plan: Plan) -> RunData:
+    """Every split's rows, from the plan's shards: this process's share of the training rows, and the
+    validation documents within the evaluation budget."""
+    cfg, eot_id = plan.cfg, plan.shards.eot_id
+    val = shards.leading_documents(plan.shards.val, eot_id, cfg.eval_tokens)
+    shape = dict(eot_id=eot_id, seq_len=cfg.seq_len, batch_size=cfg.batch_size, bos_id=plan.bos_id)
     train_rows = PackedBatches(
-        prepared.train, flags=cfg.flags, seed=cfg.seed, rank=session.rank, world_size=session.world_size, **shape
+        plan.shards.train,
+        packing=cfg.packing,
+        flags=cfg.flags,
+        seed=cfg.seed,
+        rank=plan.rank,
+        world_size=plan.world_size,
+        **shape,
     )
-    val_packed, val_alone = validation_sets(val, eot_id, cfg, bos_id)
-    tokenizer = shards.with_start_marker(enc, bos_id)
-    n_bytes = torch.from_numpy(shards.token_bytes(tokenizer)).to(session.device)
-    return RunData(shard_path, prepared.meta, eot_id, tokenizer, train_rows, val_packed, val_alone, len(val), n_bytes)
-
-
-def prepared_data(cfg: Config, session: Session) -> tuple[Path, shards.Shards]:
-    """The run's shard folder, loaded: a prepared folder given as the dataset (whose data settings the run
-    adopts), or the corpus prepared first: process 0 prepares, the others then find it. Preparation
-    (prepare.py and corpora.py) is imported only then: training on a prepared folder needs neither."""
-    if shards.is_prepared_folder(cfg.dataset):
-        prepared = shards.load_shards(Path(cfg.dataset))
-        adopt_prepared_settings(cfg, Path(cfg.dataset), prepared.meta, session.print)
-        return Path(cfg.dataset), prepared
-    from prepare import prepare_for
-
-    failed, shard_path = None, None
-    if session.main_process:
-        try:
-            shard_path = prepare_for(cfg, log=session.print)
-        except (ConfigError, DataError) as e:
-            failed = e
-    session.agree(failed)
-    shard_path = shard_path or prepare_for(cfg, log=session.print)
-    return shard_path, shards.load_shards(shard_path)
-
-
-def warn_about(cfg: Config, session: Session) -> None:
-    if cfg.packing == "pad" and cfg.flags != Flags():
-        session.print(
-            "warning: with packing=pad each row holds one document, so the three flags change nothing", file=sys.stderr
-        )
-    if cfg.max_iters <= warmup_steps(cfg):
-        session.print(
-            f"warning: max_iters={cfg.max_iters} is not past warmup_iters={warmup_steps(cfg)}: the learning rate "
-            "never reaches its peak or decays; give warmup_iters about a tenth of max_iters",
-            file=sys.stderr,
-        )
+    val_packed, val_alone = validation_sets(val, eot_id, cfg, plan.bos_id)
+    n_bytes = torch.from_numpy(shards.token_bytes(plan.tokenizer)).to(plan.device)
+    return RunData(train_rows, val_packed, val_alone, len(val), n_bytes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,7 +329,9 @@ def main(argv: list[str]) -> int:
     cfg = None
     try:
         cfg = parse_config(argv)
-        train(cfg)
+        plan = resolve(cfg)
+        cfg = plan.cfg  # the final settings: a resume command names them
+        train(plan)
     except (ConfigError, DataError, TrainingDiverged, SaveFailed) as e:
         say(f"error: {e}", file=sys.stderr)
         return 1

@@ -50,12 +50,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-import api
 import corpora
 import data
+import train
 from cli import run_main, script_settings
-from config import check_fits, setting
+from config import setting
 from data import Batch
 from errors import ConfigError, SaveFailed
 from model import (
@@ -63,11 +64,12 @@ from model import (
     GPTConfig,
     attend,
     attention_mask,
+    compiled_create_block_mask,
     compiled_flex_attention,
     document_causal_block_mask,
-    document_causal_by_ids,
     document_causal_dense,
 )
+from resolve import check_fits
 from run.folder import write_atomically
 from studies.tables import markdown_table
 
@@ -181,7 +183,7 @@ class CausalReference(torch.nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def synthetic_batch(doc_ids: torch.Tensor, vocab_size: int, doc_mask: bool = True) -> Batch:
+def synthetic_batch(doc_ids: torch.Tensor, vocab_size: int) -> Batch:
     """Random tokens laid out in the given documents, each ending in an EOT (the vocabulary's last id),
     batched by data.make_batch: the same rules as real data."""
     B, T = doc_ids.shape
@@ -189,14 +191,12 @@ def synthetic_batch(doc_ids: torch.Tensor, vocab_size: int, doc_mask: bool = Tru
     tokens = np.random.default_rng(0).integers(0, eot, (B, T + 1))
     ends = doc_ids[:, 1:].cpu().numpy() != doc_ids[:, :-1].cpu().numpy()  # slot t ends its document
     tokens[:, : T - 1][ends] = eot
-    batch = data.make_batch(tokens, np.full(B, T + 1), eot, flags=data.Flags(doc_mask=doc_mask))
+    batch = data.make_batch(tokens, np.full(B, T + 1), eot)
     return batch.to(doc_ids.device)
 
 
-def bench_training_step(
-    variant: str, config: GPTConfig, doc_ids, device, steps, warmup, kernel_options: dict | None = None
-) -> dict:
-    """`kernel_options`: this step's FlexAttention kernel_options (None: PyTorch's defaults)."""
+def bench_training_step(variant: str, config: GPTConfig, doc_ids, device, steps, warmup) -> dict:
+    """The training step, FlexAttention with PyTorch's default kernel_options (the model's)."""
     if variant == "varlen":
         return {"skipped": "varlen times the attention call alone"}
     flex, reference = variant.startswith("flex"), variant.startswith("reference_causal")
@@ -207,13 +207,14 @@ def bench_training_step(
     if device.type == "cuda":
         # the SDPA backend is fixed when a graph is traced, and dynamo would reuse another variant's graph
         torch._dynamo.reset()
-    cfg = dataclasses.replace(config, attn_impl="flex" if flex else "sdpa", flex_kernel_options=kernel_options)
+    cfg = dataclasses.replace(config, attn_impl="flex" if flex else "sdpa")
     doc = torch.zeros_like(doc_ids) if variant == "flex_causal" else doc_ids  # one document: a causal BlockMask
-    batch = synthetic_batch(doc, cfg.vocab_size, doc_mask=variant != "sdpa_causal")
+    batch = synthetic_batch(doc, cfg.vocab_size)
+    doc_mask = variant != "sdpa_causal"
     torch.manual_seed(0)
     model = CausalReference(cfg).to(device) if reference else GPT(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    precision = api.precision(device)
+    precision = train.autocast(device)
     compiled = torch.compile(model) if device.type == "cuda" else model
     n_counted = batch.counted.sum()
 
@@ -225,7 +226,9 @@ def bench_training_step(
             if reference:
                 loss = compiled(batch.inputs, batch.inputs)  # targets: any tokens do
             else:
-                mask = attention_mask_of(variant, batch, cfg)  # each step, outside the compiled model, as train.py
+                mask = attention_mask_of(
+                    variant, batch, cfg, doc_mask
+                )  # each step, outside the compiled model, as train.py
                 loss = compiled(batch.inputs, batch.position_ids, mask, batch.targets).sum() / n_counted
         loss.backward()
         optimizer.step()
@@ -243,7 +246,7 @@ def bench_training_step(
     if device.type == "cuda":
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     if flex:
-        build = lambda: document_causal_block_mask(doc, mask_function_of(variant))  # noqa: E731
+        build = lambda: block_mask_of(variant, doc)  # noqa: E731
         result["block_mask_ms"] = timed(build, device, steps, warmup) * 1e3
     return result
 
@@ -258,7 +261,7 @@ def positions_in_documents(doc_ids: torch.Tensor) -> torch.Tensor:
 def document_causal_by_position(doc_ids: torch.Tensor):
     """model.document_causal_by_ids with one gather a score: a document is a contiguous run of its row, so key
     kv is in query q's document iff it lies at most q's position in its document before q. Timed against it
-    here; the model keeps by_ids, the faster on an H200 (results/bench_gpu_h200)."""
+    here; the model keeps by_ids, the faster on an H200 (results/benchmarks/bench_gpu_h200)."""
     within = positions_in_documents(doc_ids)
 
     def document_causal(b, h, q_idx, kv_idx):
@@ -267,15 +270,21 @@ def document_causal_by_position(doc_ids: torch.Tensor):
     return document_causal
 
 
-def mask_function_of(variant: str):
-    return document_causal_by_position if variant == "flex_doc_by_position" else document_causal_by_ids
+def block_mask_of(variant: str, doc_ids: torch.Tensor) -> BlockMask:
+    """The variant's BlockMask: model.py's, or one from this file's mask function, built as model.py builds its
+    own (B the batch size; compiled on CUDA)."""
+    if variant != "flex_doc_by_position":
+        return document_causal_block_mask(doc_ids)
+    B, T = doc_ids.shape
+    build = compiled_create_block_mask if doc_ids.is_cuda else create_block_mask
+    return build(document_causal_by_position(doc_ids), B=B, H=None, Q_LEN=T, KV_LEN=T, device=doc_ids.device)
 
 
-def attention_mask_of(variant: str, batch: Batch, cfg: GPTConfig):
+def attention_mask_of(variant: str, batch: Batch, cfg: GPTConfig, doc_mask: bool):
     """The mask train.py would build for this batch, with this variant's mask function."""
-    if variant.startswith("flex") and batch.doc_mask:
-        return document_causal_block_mask(batch.doc_ids, mask_function_of(variant))
-    return attention_mask(batch.doc_ids, batch.doc_mask, cfg.attn_impl)
+    if variant.startswith("flex") and doc_mask:
+        return block_mask_of(variant, batch.doc_ids)
+    return attention_mask(batch.doc_ids, doc_mask, cfg.attn_impl)
 
 
 def bench_attention(
@@ -311,7 +320,7 @@ def bench_attention(
             mask = document_causal_dense(doc_ids)
         else:
             doc = torch.zeros_like(doc_ids) if variant == "flex_causal" else doc_ids
-            mask = document_causal_block_mask(doc, mask_function_of(variant))
+            mask = block_mask_of(variant, doc)
         if kernel_options is not None and variant.startswith("flex") and device.type == "cuda":
             attention = lambda: compiled_flex_attention(q, k, v, block_mask=mask, kernel_options=kernel_options)  # noqa: E731
         else:
@@ -361,8 +370,8 @@ class BenchSettings:
     flex_kernel_options: str = setting(
         "",
         "a JSON list of FlexAttention kernel_options dicts: the flex variants' attention call is timed once with "
-        "each (CUDA), and their training step with the first, e.g. '[{}, {\"ROWS_GUARANTEED_SAFE\": true}]'; "
-        "default: PyTorch's own options",
+        "each (CUDA), e.g. '[{}, {\"ROWS_GUARANTEED_SAFE\": true}]'; their training step runs with PyTorch's own "
+        "options, in the row of {} (default: PyTorch's own options only)",
     )
     steps: int = setting(20 if CUDA else 3, "timed steps (median reported)", minimum=1)
     warmup: int = setting(5 if CUDA else 1, "untimed steps first (compilation)", minimum=0)
@@ -460,13 +469,12 @@ def run_all(args, report, out, seq_lens, variants, layouts, pos_embs, option_set
                         try:
                             if args.attention_only:
                                 row["skipped"] = "--attention_only=true"
-                            elif options not in (None, option_sets[0]):
-                                row["skipped"] = "the step runs with the first kernel_options only"
+                            elif options not in (None, {}):
+                                row["skipped"] = "the step runs with PyTorch's kernel_options only (the row of {})"
                             else:
-                                timing = bench_training_step(
-                                    variant, config, doc_ids, device, args.steps, args.warmup, options
+                                row.update(
+                                    bench_training_step(variant, config, doc_ids, device, args.steps, args.warmup)
                                 )
-                                row.update(timing)
                             row.update(
                                 bench_attention(variant, config, doc_ids, device, args.steps, args.warmup, options)
                             )

@@ -107,14 +107,15 @@ def time_steps(args: CpuStepSettings, study, base: Config, data: StudyData, meas
                 model, optimizer = api.fresh_model(cfg, data.vocab_size)
                 precision = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
                 fast = torch.compile(model) if compiled else model
-                models[f"{pos}/{arm}/{name}"] = (fast, model.config, optimizer, precision, data.training_rows(cfg))
+                rows = data.training_rows(cfg)
+                models[f"{pos}/{arm}/{name}"] = (fast, model.config, optimizer, precision, rows, cfg.doc_mask)
     results = {key: {"seconds": [], "loss": None} for key in models}
     for round_ in range(args.rounds + 1):  # round 0 warms up (and compiles)
-        for key, (model, config, optimizer, precision, rows) in models.items():
+        for key, (model, config, optimizer, precision, rows, doc_mask) in models.items():
             batches = [rows.next() for _ in range(args.steps)]  # each candidate of a cell: the same batches
             start = time.perf_counter()
             for batch in batches:
-                loss = api.training_step(model, optimizer, batch, precision, config)
+                loss = api.training_step(model, optimizer, batch, precision, config, doc_mask)
             elapsed = (time.perf_counter() - start) / args.steps
             results[key]["seconds"] += [elapsed] if round_ else []
             results[key]["loss"] = loss
@@ -135,7 +136,7 @@ def time_evaluation(base: Config, data: StudyData, out: str, measured: dict) -> 
         start = time.perf_counter()
         with torch.no_grad():
             for first_row, batch in zip(range(0, len(rows), rows.batch_size), rows.all_batches()):
-                sums.add(first_row, *api.losses(model, batch), batch)
+                sums.add(first_row, *api.losses(model, batch, doc_mask=True), batch)
         seconds = time.perf_counter() - start
         results[packing] = {"seconds": seconds, "rows": len(rows), "val_doc_loss": sums.result()["val_doc_loss"]}
         print(f"evaluation alone, {packing} rows: {seconds:.1f} s", flush=True)

@@ -18,19 +18,20 @@ from config import Config
 from errors import ConfigError, Stopped, TrainingDiverged
 from run import checkpoint
 from run.folder import MetricsFile, RunFiles, hold, write_atomically
-from run.processes import StopRequest, agree, setup_distributed
+from run.processes import StopRequest, agree
 
 
 class Session:
-    """One run on this process: its settings, rank and device; with process 0 holding the run folder's lock
-    for the run's lifetime, and the checkpoint to resume from (`resumed`), checked against the settings."""
+    """One run on this process (its final settings, and its rank, process count and device), with process 0
+    holding the run folder's lock for the run's lifetime; `resumed`: the state of the checkpoint it continues,
+    read and checked against the settings before (resolve.py)."""
 
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
-        self.rank, self.world_size, self.device = setup_distributed(cfg)
+    def __init__(self, cfg: Config, processes: tuple[int, int, torch.device], resumed: dict | None = None) -> None:
+        self.cfg, self.resumed = cfg, resumed
+        self.rank, self.world_size, self.device = processes
         self.main_process = self.rank == 0  # the only one that prints, logs, evaluates and writes checkpoints
         self.print = print if self.main_process else lambda *args, **kwargs: None
-        self.resumed, self.saved_step, self.last_evaluation, self.stop_signal = None, -1, {}, 0  # resumed: its state
+        self.saved_step, self.last_evaluation, self.stop_signal = -1, {}, 0
 
     def __enter__(self) -> Session:
         self.held = ExitStack()
@@ -42,10 +43,6 @@ class Session:
                 except ConfigError as e:
                     refused = e
             agree(refused)  # every process stops with process 0's error, none waits for it
-            if self.cfg.resume:
-                path = Path(self.cfg.out_dir) / "ckpt.pt"
-                self.resumed = checkpoint.read_checkpoint(path)
-                checkpoint.check_resumable(path, self.resumed, self.cfg, self.world_size)
         except BaseException:
             self.__exit__()
             raise

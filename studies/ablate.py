@@ -1,7 +1,7 @@
 """Controlled ablations of the three flags: every variant x position kind x seed, then verdicts, a report
 and figures.
 
-    python -m studies.ablate configs/ablate_cpu.toml               # the confirmatory CPU study, 2 cores, ~100 min
+    python -m studies.ablate configs/ablate_cpu.toml               # the first study, stage 1: 2 cores, ~100 min
     python -m studies.ablate configs/ablate_cpu.toml --seeds=5 --max_iters=400 --n_layer=6
     python -m studies.ablate configs/import_leak_cpu.toml          # the import-leak study, 2-core CPU
 
@@ -49,13 +49,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import api
 import data
+import train
 from cli import Progress, help_text, run_main
-from config import NOT_DECIDING, Config, resolve_device
+from config import NOT_DECIDING, Config, eval_token_budget, resolve_device
 from errors import ConfigError, DataError, SaveFailed, Stopped, TrainingDiverged, interrupted_exit_code
 from prepare import prepare_for
 from reports import packing_statistics
+from resolve import resolve
 from run.folder import check_writable_folder, exclusive_lock, read_metrics, write_atomically
 from shards import Shards, content_digests, digest_of, leading_documents, load_shards, load_tokenizer
 from studies import import_leak
@@ -86,7 +87,7 @@ def packing_regime(shards: Shards, seq_len: int, bos_id: int | None = None) -> d
 def scored_positions(shards: Shards, base: Config, bos_id: int | None) -> int:
     """Within-document positions below this one are scored in the evaluation: the validation documents it
     reads (eval_tokens' leading ones) reach no further, nor does a row's text (seq_len, less the marker)."""
-    val = leading_documents(shards.val, shards.eot_id, api.resolved(base)[1])
+    val = leading_documents(shards.val, shards.eot_id, eval_token_budget(base))
     longest = int(data.Documents(val, shards.eot_id).lengths.max()) - 1  # its text: the EOT is not scored from
     return min(longest, base.seq_len - (bos_id is not None))
 
@@ -201,8 +202,8 @@ def train_and_probe(cfg: Config, study: Study, decided: dict, offsets: list[int]
     out = Path(cfg.out_dir)
     done, started = out / "result.json", out / "study_run.json"
     write_atomically(started, json.dumps({"decided_by": decided}))
-    cfg.resume = (out / "ckpt.pt").exists()  # a run interrupted earlier continues from its checkpoint
-    api.run(cfg)  # a stop signal ends it with Stopped, its checkpoint saved
+    resume = (out / "ckpt.pt").exists()  # a run interrupted earlier continues from its checkpoint
+    train.train(resolve(dataclasses.replace(cfg, resume=resume)))  # a stop signal: Stopped, checkpoint saved
     records = [record for _, record in read_metrics(out / "metrics.jsonl")]
     train_records = [r for r in records if "train_loss" in r]
     evals = [r for r in records if "val_doc_loss" in r]

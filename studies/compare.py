@@ -26,6 +26,7 @@ continues or re-reports.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -39,12 +40,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import api
 import sample
 from cli import format_duration, run_main, settings_from
-from config import Config, resolve_device
+from config import Config, eval_token_budget, resolve_device
 from errors import ConfigError, DataError, SaveFailed
 from prepare import prepare_for
+from resolve import model_settings, parameter_count
 from run.checkpoint import read_checkpoint
 from shards import Shards, leading_documents, load_shards
 from studies import ablate, stats
@@ -64,7 +65,7 @@ ARM_NAMES = {"naive": "naive", "no_doc_mask": "mask off", "no_reset_position_ids
 ENDPOINTS = {"early": None, "from_second": "bpb", "in_context": "bpb_in_context"}
 # The paired spread (sd over seeds of an arm's loss minus the reference's) that sizes a comparison: the
 # confirmatory study's, measured at 9.2M tokens on `packages` with the document mask off (8 seeds,
-# results/confirm_rung3/); in context as alone until the practitioner's study measures it
+# results/decided/confirm_rung3/); in context as alone until the practitioner's study measures it
 STUDY_SPREADS = {
     ("learned", "early"): 0.091,
     ("learned", "whole"): 0.052,
@@ -73,7 +74,7 @@ STUDY_SPREADS = {
 }
 POWER = 0.8
 # Below these the models are barely trained (an effect of the mask grew 10x from 0.6 to 5.8 tokens a
-# parameter in the ladder, results/ladder/): half of Chinchilla's 20 tokens a parameter (Hoffmann et al.
+# parameter in the ladder, results/history/ladder/): half of Chinchilla's 20 tokens a parameter (Hoffmann et al.
 # 2022, arXiv 2203.15556), and a loss at least 1 nat under a unigram model's
 WELL_TRAINED_TOKENS_PER_PARAMETER = 10
 WELL_TRAINED_NATS_UNDER_UNIGRAM = 1.0
@@ -116,7 +117,9 @@ def smallest_effects(study: Study, pos: str, seeds: int) -> dict[str, float]:
 def plan_lines(study: Study, base: Config, shards: Shards) -> list[str]:
     """What the comparison will run and can decide; a smoke test says so first."""
     ids = shards.vocab_size + int(base.bos)  # the start marker is the first id past the vocabulary
-    parameters = {pos: api.parameter_count(Config(**{**vars(base), "pos_emb": pos}), ids) for pos in study.pos_embs}
+    parameters = {
+        pos: parameter_count(model_settings(dataclasses.replace(base, pos_emb=pos), ids)) for pos in study.pos_embs
+    }
     per_parameter = tokens_per_run(base) / max(parameters.values())
     runs = sum(len(seeds) for seeds in seeds_of_cells(study).values())
     lines = []
@@ -142,14 +145,14 @@ def plan_lines(study: Study, base: Config, shards: Shards) -> list[str]:
             f"power: with {study.seeds} seeds this comparison can decide effects of at least {smallest['early']:.3f} "
             f"nats on {endpoint_label('early', study).removesuffix(', alone')} and {smallest['whole']:.3f} on whole "
             f"documents ({pos}; power {POWER}, Holm; "
-            "at the paired spreads measured on `packages`, results/confirm_rung3/), if the models train as far"
+            "at the paired spreads measured on `packages`, results/decided/confirm_rung3/), if the models train as far"
         )
     return lines
 
 
 def check_supports(base: Config, shards: Shards) -> None:
     """Refuse data too small to decide anything before any run trains."""
-    val = leading_documents(shards.val, shards.eot_id, api.resolved(base)[1])
+    val = leading_documents(shards.val, shards.eot_id, eval_token_budget(base))
     documents = int(np.count_nonzero(np.asarray(val) == shards.eot_id))
     if documents < FEWEST_VALIDATION_DOCUMENTS:
         raise DataError(

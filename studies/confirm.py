@@ -2,7 +2,7 @@
 
     python -m studies.confirm configs/confirm.toml --plan     # the registration's power calculation
     python -m studies.confirm configs/confirm.toml            # the decisions, once its studies have run
-    python -m studies.confirm configs/confirm.toml --studies_dir=results --out_dir=results/confirm
+    python -m studies.confirm configs/confirm.toml --studies_dir=results/decided --out_dir=results/decided/confirm
                                                               # from the committed studies, into the committed report
     python -m studies.confirm configs/practitioner_gpu.toml --run --dataset=docs.parquet
                                                               # train every study (any --key=value is passed to

@@ -35,9 +35,9 @@ import numpy as np
 import tiktoken
 import torch
 
-import api
 import sample
 import shards
+import train
 from cli import run_main, script_settings
 from config import Config, resolve_device, setting
 from data import Flags
@@ -45,7 +45,7 @@ from errors import ConfigError, DataError, SaveFailed
 from model import GPT, attention_mask
 from run.folder import write_atomically
 from shards import document_bounds
-from studies.scoring import score_rows
+from studies.scoring import batch_of_rows, score_rows
 from studies.stats import paired_effect
 from studies.tables import markdown_table
 
@@ -242,9 +242,9 @@ def sample_import_lines(
         if not open_rows:
             break
         length = max(len(rows[r]) for r in open_rows)  # as long as needed: causal, so nothing changes
-        batch = api.batch_of_rows([np.array(rows[r]) for r in open_rows], length, eot, flags=flags).to(device)
-        mask = attention_mask(batch.doc_ids, batch.doc_mask, model.config.attn_impl)
-        with api.precision(device, dtype):
+        batch = batch_of_rows([np.array(rows[r]) for r in open_rows], length, eot, flags=flags).to(device)
+        mask = attention_mask(batch.doc_ids, flags.doc_mask, model.config.attn_impl)
+        with train.autocast(device, dtype):
             logits = model(batch.inputs, batch.position_ids, mask)
         last = torch.tensor([len(rows[r]) - 1 for r in open_rows], device=device)
         probs = torch.softmax(logits[torch.arange(len(open_rows), device=device), last].float(), dim=-1)
@@ -284,7 +284,7 @@ def probe(
     dtype: str = "auto",
 ) -> dict:
     """Both measures on the pairs that fit in a row with one file before B, with 95% confidence intervals
-    over pairs, in the compute precision `dtype` (api.precision)."""
+    over pairs, in the compute precision `dtype` (train.autocast)."""
     pairs = fitting_pairs(pairs, model.config.seq_len)
     logp = import_logprob(model, flags, enc.eot_token, pairs, device, dtype)
     return {

@@ -1,12 +1,13 @@
 """The ladder's combined report: every cell's effects at each rung, against the tokens it trained on.
 
     python -m studies.ladder configs/ladder_rung1.toml configs/ladder_rung2.toml configs/ladder_rung3.toml
-    python -m studies.ladder configs/ladder_rung{1,2,3}.toml --studies_dir=results --out_dir=results/ladder
-                                                          # the committed rungs, into the committed ladder
+    python -m studies.ladder configs/ladder_rung{1,2,3}.toml --studies_dir=results/history --out_dir=DIR
+                                                          # the committed rungs (--out_dir=results/history/ladder:
+                                                          # into the committed ladder)
 
 Each rung is a study of its own (`python -m studies.ablate <config>`), decided by its own pre-registered
 family; its results.json, in the study's out_dir (or in --studies_dir=DIR, under the last part of that
-out_dir's name: results/ladder_rung1 for out/ladder_rung1), holds every run. This decides each rung's family
+out_dir's name: results/history/ladder_rung1 for out/ladder_rung1), holds every run. This decides each rung's family
 again from its runs, with the statistics of this code (as `python -m studies.report` does), and puts them
 side by side: ladder.md (a table per position kind, a column per rung), ladder.json (each rung's tokens,
 tokens a parameter and summary) and effects.png (each variant's effects against training tokens, with 95%
@@ -25,9 +26,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import api
 from cli import run_main
 from errors import ConfigError, SaveFailed
+from resolve import model_settings, parameter_count
 from run.folder import check_writable_folder, write_atomically
 from studies.plan import VARIANTS, Study, parse_args
 from studies.report import ENDPOINT_NAMES, describe_effect, save_figure, saved_runs, settings_changed, summarise
@@ -62,7 +63,7 @@ def read_rung(config: str, studies_dir: Path | None) -> Rung | None:
     results = folder / "results.json"
     if not results.is_file():
         run = shlex.join(["python", "-m", "studies.ablate", config])
-        how = f"run: {run}, or read the committed rungs with --studies_dir=results"
+        how = f"run: {run}, or read the committed rungs with --studies_dir=results/history"
         print(f"{config}: no {results} yet ({how}); left out", file=sys.stderr)
         return None
     try:
@@ -78,7 +79,7 @@ def read_rung(config: str, studies_dir: Path | None) -> Rung | None:
             "give the config it ran with, or run the study again"
         )
     vocab = base.tokenizer_vocab_size + base.bos
-    parameters = api.parameter_count(base, vocab)
+    parameters = parameter_count(model_settings(base, vocab))
     tokens = base.max_iters * base.batch_size * base.grad_accum * base.seq_len
     shift = late_band_shift(runs, summary, study, offsets, base.seq_len) if base.bos and study.late_band else None
     return Rung(config, tokens, parameters, summary, shift)

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-import api
 from cli import check_bounds, command_line_values, read_config_file, settings_from
-from config import Config, setting, validate
+from config import Config, eval_token_budget, setting, validate, warmup_steps
 from errors import ConfigError
 
 POSITION_KINDS = ("learned", "rope")
@@ -311,12 +310,15 @@ def run_config(base: Config, pos_emb: str, variant: str, seed: int, out_dir: Pat
     )
     # every run evaluates on the same documents: an automatic budget is fixed before pad's schedule stretches;
     # a default warmup is a tenth of the reference's steps, also for pad
-    cfg.warmup_iters, cfg.eval_tokens = api.resolved(cfg)
+    cfg = dataclasses.replace(cfg, warmup_iters=warmup_steps(cfg), eval_tokens=eval_token_budget(cfg))
     if variant == "pad":  # the same real training tokens: more steps, with the schedule stretched to match
         # (pad_equal_compute keeps the packed run's steps: the same FLOPs, fewer real tokens)
-        for key in ("max_iters", "warmup_iters", "eval_interval"):
-            stretched = round(getattr(cfg, key) * pad_factor)
-            setattr(cfg, key, stretched if key == "warmup_iters" else max(1, stretched))  # no warmup stays none
+        stretched = {
+            key: round(getattr(cfg, key) * pad_factor) for key in ("max_iters", "warmup_iters", "eval_interval")
+        }
+        cfg = dataclasses.replace(
+            cfg, **{key: value if key == "warmup_iters" else max(1, value) for key, value in stretched.items()}
+        )  # no warmup stays none
     check_bounds(cfg)
     validate(cfg)
     return cfg

@@ -5,7 +5,7 @@ enough to write them again, without running anything:
     python -m studies.report out/ablate/results.json      # writes results.md and the figures beside it
     python -m studies.report RESULTS.json CONFIG.toml     # a study from before 2026-12-02, which did not record
                                                           # its training settings: they come from its config
-    python -m studies.report results/ablate_cpu/results.json configs/ablate_cpu.toml --out_dir=out/ablate_cpu
+    python -m studies.report results/history/ablate_cpu/results.json configs/ablate_cpu.toml --out_dir=out/ablate_cpu
                                                           # a committed study's report, written elsewhere
 
 Without --out_dir=DIR the report goes beside its results.json, unless git tracks a file in that folder (a

@@ -6,9 +6,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import api
-from data import Flags
+import train
+from data import Batch, Flags, make_batch
 from model import GPT
+
+
+def batch_of_rows(rows: list[np.ndarray], seq_len: int, eot_id: int, flags: Flags = Flags()) -> Batch:
+    """A batch whose row r holds the tokens rows[r] (at most seq_len + 1), padded: rows laid out by hand."""
+    if any(len(row) > seq_len + 1 for row in rows):
+        raise ValueError(f"a row holds at most seq_len + 1 = {seq_len + 1} tokens")
+    tokens = np.full((len(rows), seq_len + 1), eot_id, dtype=np.int64)
+    for r, row in enumerate(rows):
+        tokens[r, : len(row)] = row
+    return make_batch(tokens, np.array([len(row) for row in rows]), eot_id, flags=flags)
 
 
 @torch.no_grad()
@@ -21,16 +31,16 @@ def target_losses(
     dtype: str = "auto",
     batch_rows: int = 32,
 ) -> list[np.ndarray]:
-    """For each row (its inputs and last target, laid out by api.batch_of_rows under `flags`), the loss of
+    """For each row (its inputs and last target, laid out by batch_of_rows under `flags`), the loss of
     each of its len(row) - 1 targets, NaN where a target does not count, in the run's compute precision
     `dtype`. A batch's rows are as long as its longest: attention is causal, so what comes after a target
     changes nothing."""
     out = []
     for i in range(0, len(rows), batch_rows):
         chunk = rows[i : i + batch_rows]
-        batch = api.batch_of_rows(chunk, max(len(row) for row in chunk) - 1, eot_id, flags=flags)
-        with api.precision(device, dtype):
-            losses, counted = api.losses(model, batch.to(device))
+        batch = batch_of_rows(chunk, max(len(row) for row in chunk) - 1, eot_id, flags=flags)
+        with train.autocast(device, dtype):
+            losses, counted = train.token_losses(model, batch.to(device), model.config, flags.doc_mask)
         losses = torch.where(counted, losses.double(), torch.nan).cpu().numpy()
         out += [losses[r, : len(row) - 1] for r, row in enumerate(chunk)]
     return out

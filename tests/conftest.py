@@ -14,6 +14,7 @@ import train
 from cli import parse_config
 from config import Config
 from data import IGNORE_INDEX
+from resolve import resolve
 from run import checkpoint as checkpoints
 from run.checkpoint import save_checkpoint
 
@@ -188,7 +189,7 @@ def long_args(tiny_corpus, tmp_path_factory):
     def args(out_dir):  # 40 steps, a checkpoint every 3, dropout so that the RNG state matters
         return tiny_args(tiny_corpus, data_dir, out_dir, max_iters=40, eval_interval=3, dropout=0.1, eval_tokens=256)
 
-    train.train(parse_config(args(reference)))
+    train.train(resolve(parse_config(args(reference))))
     return args, records(reference)
 
 
@@ -200,7 +201,7 @@ def reference_run(tiny_corpus, tmp_path_factory):
         return tiny_args(tiny_corpus, data_dir, out_dir, **{"max_iters": 12, "eval_interval": 3, **overrides})
 
     reference = tmp_path_factory.mktemp("reference")
-    train.train(parse_config(args(reference)))
+    train.train(resolve(parse_config(args(reference))))
     return args, records(reference)
 
 
@@ -209,7 +210,7 @@ def trained(tiny_corpus, tmp_path_factory) -> tuple[Path, list[str]]:
     """A finished run of 4 steps with checkpoints at 2 and 4, and the arguments that made it."""
     tmp = tmp_path_factory.mktemp("trained")
     args = tiny_args(tiny_corpus, tmp / "data", tmp / "run", max_iters=4, eval_interval=2)
-    train.train(parse_config(args))
+    train.train(resolve(parse_config(args)))
     return tmp / "run", args
 
 

@@ -34,7 +34,7 @@ def test_shipped_study_configs_parse(name):
     assert study.seeds == 5 and base.max_iters == 7
 
 
-def test_the_confirmatory_study_is_the_one_preregistered():
+def test_the_first_study_is_the_one_preregistered():
     study, _ = plan.parse_args([str(ROOT / "configs/ablate_cpu.toml")])
     assert (study.first_seed, study.early_band, study.middle_band) == (3, [0, 16], [16, 64])
     assert (study.margin_band, study.margin_doc_loss) == (0.02, 0.03)
@@ -60,7 +60,7 @@ def test_the_second_stage_is_the_one_preregistered_on_seeds_the_first_did_not_us
 def test_the_ladder_is_the_one_preregistered():
     """Three rungs of one model and data, 150 / 1,500 / 4,500 steps, the top at 10+ tokens a parameter and 30x
     the first stage's tokens; every stage's seeds disjoint from every other's (the pilot's included)."""
-    import train
+    import resolve
     from model import GPT
 
     rungs = [plan.parse_args([str(ROOT / f"configs/ladder_rung{n}.toml")]) for n in (1, 2, 3)]
@@ -69,7 +69,7 @@ def test_the_ladder_is_the_one_preregistered():
     assert all(cfg.bos and cfg.dataset == "packages" and cfg.seq_len == 1024 for cfg in settings)
     top = settings[2]
     tokens = top.max_iters * top.batch_size * top.seq_len
-    params = GPT(train.model_settings(top, top.tokenizer_vocab_size + 1)).num_params()
+    params = GPT(resolve.model_settings(top, top.tokenizer_vocab_size + 1)).num_params()
     assert tokens / params >= 10 and tokens >= 30 * 150 * 2 * 1024
     assert [study.early_band for study, _ in rungs] == [[0, 16]] * 3 and rungs[0][0].late_band == [256, 1024]
     assert rungs[2][0].pos_embs == ["learned"]
@@ -116,7 +116,7 @@ def test_a_study_that_did_not_record_its_training_settings_is_rebuilt_from_its_c
     """Stage 2 (2026-12-01) saved its [ablate] table but not train.py's settings: its report is rebuilt from
     the config it ran with, and gives the verdicts committed then; another study's config is refused."""
     saved = tmp_path / "results.json"
-    shutil.copy(ROOT / "results/ablate_cpu_stage2/results.json", saved)
+    shutil.copy(ROOT / "results/history/ablate_cpu_stage2/results.json", saved)
     assert report.main([str(saved)]) == 1
     assert "does not record its training settings" in capsys.readouterr().err
     assert report.main([str(saved), str(ROOT / "configs/ablate_cpu.toml")]) == 1
@@ -142,7 +142,7 @@ def test_a_study_that_did_not_record_its_training_settings_is_rebuilt_from_its_c
 
 def test_a_figure_that_cannot_be_written_leaves_the_old_report_whole(tmp_path, monkeypatch, capsys):
     saved = tmp_path / "results.json"
-    shutil.copy(ROOT / "results/ablate_cpu_stage2/results.json", saved)
+    shutil.copy(ROOT / "results/history/ablate_cpu_stage2/results.json", saved)
     (tmp_path / "results.md").write_text("the report of the figures beside it")
 
     def disk_full(*args):

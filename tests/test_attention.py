@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 import model
-from bench.attention import document_causal_by_position, positions_in_documents
+from bench.attention import block_mask_of, positions_in_documents
 from data import document_ids
 from model import (
     GPT,
@@ -19,8 +19,6 @@ from model import (
     attend,
     attention_mask,
     compiled_flex_attention,
-    document_causal_block_mask,
-    document_causal_by_ids,
     document_causal_dense,
 )
 
@@ -69,7 +67,7 @@ def test_positions_in_documents_restart_on_each_document_of_the_worked_example()
 def test_positions_in_documents_are_the_reset_positions_of_any_batch_padding_included():
     import numpy as np
 
-    from api import batch_of_rows
+    from studies.scoring import batch_of_rows
 
     rng = np.random.default_rng(0)
     stream = rng.integers(0, EOT, 4 * 65).astype(np.int64)
@@ -79,10 +77,11 @@ def test_positions_in_documents_are_the_reset_positions_of_any_batch_padding_inc
     assert torch.equal(positions_in_documents(batch.doc_ids).long(), batch.position_ids)
 
 
-@pytest.mark.parametrize("mask_function", [document_causal_by_position, document_causal_by_ids])
-def test_block_mask_matches_dense_mask(mask_function):
+# model.py's mask function (flex_doc) and the benchmark's one gather a score (flex_doc_by_position)
+@pytest.mark.parametrize("variant", ["flex_doc_by_position", "flex_doc"])
+def test_block_mask_matches_dense_mask(variant):
     doc = layouts_batch()
-    block_mask = document_causal_block_mask(doc, mask_function)
+    block_mask = block_mask_of(variant, doc)
     assert block_mask.shape[0] == doc.shape[0]  # one mask per sample (B = batch size, never None)
     dense = torch.stack(
         [
@@ -95,21 +94,21 @@ def test_block_mask_matches_dense_mask(mask_function):
     assert torch.equal(dense, document_causal_dense(doc)[:, 0])
 
 
-@pytest.mark.parametrize("mask_function", [document_causal_by_position, document_causal_by_ids])
+@pytest.mark.parametrize("variant", ["flex_doc_by_position", "flex_doc"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_flex_forward_matches_dense_sdpa(compiled, mask_function):
+def test_flex_forward_matches_dense_sdpa(compiled, variant):
     doc = layouts_batch()
     q, k, v = qkv(doc.shape[0], doc.shape[1])
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_dense(doc))
     flex = compiled_flex_attention if compiled else flex_attention
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # eager flex warns that it is a slow reference
-        got = flex(q, k, v, block_mask=document_causal_block_mask(doc, mask_function))
+        got = flex(q, k, v, block_mask=block_mask_of(variant, doc))
     assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
     # the test can fail: the same kernel with a shuffled batch of masks disagrees
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        wrong = flex(q, k, v, block_mask=document_causal_block_mask(doc.roll(1, dims=0), mask_function))
+        wrong = flex(q, k, v, block_mask=block_mask_of(variant, doc.roll(1, dims=0)))
     assert not torch.allclose(wrong, expected, atol=1e-3)
 
 
@@ -138,10 +137,10 @@ def test_rotated_queries_keep_the_token_major_layout_so_the_output_needs_no_copy
     so the attention output transposed back to (B, T, C) is already contiguous (a view, no copy)."""
     outputs = []
 
-    def recording_attend(q, k, v, mask, kernel_options=None):
+    def recording_attend(q, k, v, mask):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = attend(q, k, v, mask, kernel_options)
+            out = attend(q, k, v, mask)
         outputs.append(out)
         return out
 

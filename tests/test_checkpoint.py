@@ -34,6 +34,7 @@ import train
 from cli import parse_config
 from config import Config
 from errors import ConfigError, SaveFailed, TrainingDiverged
+from resolve import resolve
 from run.checkpoint import read_checkpoint, save_checkpoint
 
 # ---- damaged checkpoints, refused by every reader
@@ -61,7 +62,7 @@ def test_a_checkpoint_damaged_inside_its_weights_is_refused_by_every_reader(trai
         lambda: read_checkpoint(ckpt),
         lambda: sample.load_run(run, torch.device("cpu")),  # sampling and the studies' probes
         lambda: export_hf.export(run, tmp_path / "hf"),
-        lambda: train.train(parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=6"])),
+        lambda: train.train(resolve(parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=6"]))),
     ):
         with pytest.raises(ConfigError, match=f"{ckpt} is damaged: its record .* does not match the CRC-32"):
             reader()
@@ -140,7 +141,7 @@ def test_unreadable_checkpoint(tiny_corpus, tmp_path):
     out.mkdir()
     (out / "ckpt.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ConfigError, match="not a readable checkpoint"):
-        train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out) + ["--resume=true"]))
+        train.train(resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out) + ["--resume=true"])))
 
 
 @pytest.mark.slow
@@ -152,10 +153,10 @@ def test_foreign_and_truncated_checkpoints(tiny_corpus, tmp_path, capsys):
     torch.save({"weights": torch.zeros(3)}, out / "ckpt.pt")
     args = tiny_args(tiny_corpus, tmp_path / "data", out)
     with pytest.raises(ConfigError, match="not a checkpoint written by train.py"):
-        train.train(parse_config(args + ["--resume=true"]))
+        train.train(resolve(parse_config(args + ["--resume=true"])))
     one_error_line(run_cli("sample.py", f"--out_dir={out}"), "not a checkpoint written by train.py")
     real = tmp_path / "real"
-    train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", real, max_iters=1, eval_interval=1)))
+    train.train(resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", real, max_iters=1, eval_interval=1))))
     (out / "ckpt.pt").write_bytes((real / "ckpt.pt").read_bytes()[:5000])
     one_error_line(in_process(sample.main, [f"--out_dir={out}"], capsys), "not a readable checkpoint")
     one_error_line(in_process(sample.main, [f"--out_dir={real}", "--device=cuda:0"], capsys), "CUDA is not available")
@@ -169,7 +170,7 @@ def test_foreign_and_truncated_checkpoints(tiny_corpus, tmp_path, capsys):
 def test_a_save_interrupted_midway_leaves_the_previous_checkpoint(long_args, tmp_path, monkeypatch):
     args, _ = long_args
     out = tmp_path / "run"
-    train.train(parse_config(args(out) + ["--max_iters=3"]))
+    train.train(resolve(parse_config(args(out) + ["--max_iters=3"])))
     real_save = torch.save
 
     def save_half_then_die(obj, file):
@@ -179,7 +180,7 @@ def test_a_save_interrupted_midway_leaves_the_previous_checkpoint(long_args, tmp
 
     monkeypatch.setattr(torch, "save", save_half_then_die)
     with pytest.raises(KeyboardInterrupt):
-        train.train(parse_config(args(out) + ["--max_iters=6", "--resume=true"]))
+        train.train(resolve(parse_config(args(out) + ["--max_iters=6", "--resume=true"])))
     assert torch.load(out / "ckpt.pt", weights_only=False)["step"] == 3
 
 
@@ -189,7 +190,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_the_old_one(
 
     out = tmp_path / "run"
     args = tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)
-    train.train(parse_config(args))  # data prepared and a first checkpoint written, without a limit
+    train.train(resolve(parse_config(args)))  # data prepared and a first checkpoint written, without a limit
     old = (out / "ckpt.pt").read_bytes()
     limit = len(old) // 2
 
@@ -230,7 +231,7 @@ def test_a_full_disk_at_a_checkpoint_says_so_and_what_is_kept(tiny_corpus, data_
     out, real_save = tmp_path / "run", torch.save
     args = tiny_args(tiny_corpus, data_dir, out, max_iters=4, eval_interval=2, log_interval=2)
     if case == "replacing a run":
-        train.train(parse_config(args))
+        train.train(resolve(parse_config(args)))
         args.append("--overwrite=true")
     before = contents(out)
     saves = []
@@ -241,7 +242,7 @@ def test_a_full_disk_at_a_checkpoint_says_so_and_what_is_kept(tiny_corpus, data_
 
     monkeypatch.setattr(torch, "save", save)
     with pytest.raises(SaveFailed) as error:
-        train.train(parse_config(args))
+        train.train(resolve(parse_config(args)))
     kept = {
         "first checkpoint": "no checkpoint was written",
         "second checkpoint": f"the checkpoint of step 2 is kept in {out / 'ckpt.pt'}",
@@ -271,7 +272,8 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(long_a
 
     monkeypatch.setattr(train, "accumulate_gradients", nan_from_step_5)
     with pytest.raises(TrainingDiverged, match="non-finite by step 6"):
-        train.train(parse_config(args(out) + ["--log_interval=10"]))  # caught at the step-6 checkpoint at the latest
+        # caught at the step-6 checkpoint at the latest
+        train.train(resolve(parse_config(args(out) + ["--log_interval=10"])))
     assert torch.load(out / "ckpt.pt", weights_only=False)["step"] == 3
     assert all(r["step"] <= 3 for r in records(out))
 
@@ -280,7 +282,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(long_a
 def test_a_run_that_diverges_before_its_first_checkpoint_says_none_was_written(tiny_corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(train, "accumulate_gradients", lambda *a, **k: torch.tensor(float("nan")))
     with pytest.raises(TrainingDiverged) as error:
-        train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", eval_interval=4)))
+        train.train(resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", eval_interval=4))))
     assert str(error.value).endswith("no checkpoint was written") and not (tmp_path / "run" / "ckpt.pt").exists()
 
 
@@ -290,7 +292,7 @@ def test_a_run_that_diverges_before_its_first_checkpoint_says_none_was_written(t
 @pytest.mark.slow
 def test_sampling_works_from_anywhere_and_from_a_copied_run_folder(tiny_corpus, tmp_path):
     out = tmp_path / "run"
-    train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)))
+    train.train(resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2))))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     result = run_cli(str(ROOT / "sample.py"), f"--out_dir={out}", "--max_new_tokens=5", cwd=elsewhere)

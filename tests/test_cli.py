@@ -27,6 +27,7 @@ import train
 from cli import parse_config, run_main
 from config import Config
 from errors import ConfigError
+from resolve import resolve
 from run.checkpoint import read_checkpoint
 
 # ---- settings: config files and arguments
@@ -160,14 +161,16 @@ def test_help_lists_every_key():
 def test_flex_on_cpu_is_refused(tiny_corpus, tmp_path):
     with pytest.raises(ConfigError, match="FlexAttention has no backward on CPU"):
         train.train(
-            parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "o", attn_impl="flex", device="cpu"))
+            resolve(
+                parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "o", attn_impl="flex", device="cpu"))
+            )
         )
 
 
 @pytest.mark.slow
 def test_a_model_too_large_for_the_machine_is_refused(tiny_corpus, tmp_path):
     with pytest.raises(ConfigError, match=r"needs about .* GB .* this machine has"):
-        train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "o", n_embd=200_000)))
+        train.train(resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "o", n_embd=200_000))))
 
 
 @pytest.mark.parametrize(
@@ -202,7 +205,7 @@ def test_a_damaged_results_json_is_one_line_and_no_report(tmp_path, damage, mess
     runs of another type) is named in one line, and no results.md or figure is written."""
     from studies import report
 
-    saved = json.loads((ROOT / "results/import_leak_cpu_bos/results.json").read_text())
+    saved = json.loads((ROOT / "results/decided/import_leak_cpu_bos/results.json").read_text())
     damage(saved)
     (tmp_path / "results.json").write_text(json.dumps(saved))
     one_error_line(in_process(report.main, [str(tmp_path / "results.json")], capsys), message)
@@ -231,7 +234,7 @@ def test_bench_checks_its_arguments_before_it_runs(tmp_path, capsys):
 def test_output_into_a_pipe_that_closes_early_ends_quietly(reference_run, tmp_path):
     args, _ = reference_run
     out = tmp_path / "run"
-    train.train(parse_config(args(out, max_iters=1, eval_interval=1)))
+    train.train(resolve(parse_config(args(out, max_iters=1, eval_interval=1))))
     proc = subprocess.Popen(
         [sys.executable, "sample.py", f"--out_dir={out}", "--num_samples=400", "--max_new_tokens=30"],
         cwd=ROOT,

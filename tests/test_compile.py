@@ -13,9 +13,9 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import train
-from api import batch_of_rows
 from config import Config
 from model import GPT, GPTConfig, attention_mask
+from studies.scoring import batch_of_rows
 
 EOT = 63
 T = 32
@@ -66,7 +66,7 @@ def test_new_document_layouts_do_not_recompile():
     compiled = torch.compile(model, backend="eager")
     for seed in range(6):
         b = packed_batch(seed)
-        train.token_losses(compiled, b, model.config)[0].sum().backward()
+        train.token_losses(compiled, b, model.config, doc_mask=True)[0].sum().backward()
         if seed == 0:
             after_first = compiled_graphs()
     assert compiled_graphs() == after_first == 1
@@ -79,7 +79,7 @@ def test_evaluation_compiles_once_even_when_the_last_batch_is_short():
     cfg = Config(seq_len=T, batch_size=4)
     model = tiny_gpt()
     compiled = torch.compile(model, backend="eager")
-    train.token_losses(compiled, packed_batch(0), model.config)[0].sum().backward()  # a training step first
+    train.token_losses(compiled, packed_batch(0), model.config, doc_mask=True)[0].sum().backward()  # a step first
     after_training = compiled_graphs()
     cpu, fp32 = torch.device("cpu"), torch.autocast("cpu", enabled=False)
     first = train.evaluate(compiled, model.config, *train.validation_sets(val, EOT, cfg), cpu, fp32)
@@ -99,7 +99,7 @@ def test_generation_does_not_compile_per_token(attn_impl):
     compiled = torch.compile(model, backend="eager")
     with torch.no_grad():
         b = packed_batch(0)
-        compiled(b.inputs, b.position_ids, attention_mask(b.doc_ids, b.doc_mask, attn_impl), b.targets)
+        compiled(b.inputs, b.position_ids, attention_mask(b.doc_ids, True, attn_impl), b.targets)
     before = compiled_graphs()
     torch.manual_seed(0)
     out = compiled.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=40)

@@ -70,7 +70,7 @@ rank = dist.get_rank()
 model, micro_batches = gradient_setup()
 ddp = DistributedDataParallel(model, broadcast_buffers=False)
 mine = micro_batches[rank::2]  # each process its own micro-batches
-loss = train.accumulate_gradients(ddp, mine, torch.autocast("cpu", enabled=False), model.config)
+loss = train.accumulate_gradients(ddp, mine, torch.autocast("cpu", enabled=False), model.config, True)
 torch.save({{"loss": loss, "grads": [p.grad for p in model.parameters()]}}, {out!r} + f"/grads{{rank}}.pt")
 dist.destroy_process_group()
 """
@@ -81,8 +81,8 @@ def gradient_setup():
     import numpy as np
     import torch
 
-    from api import batch_of_rows
     from model import GPT, GPTConfig
+    from studies.scoring import batch_of_rows
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_embd=16))
@@ -108,7 +108,7 @@ def test_two_processes_give_the_gradient_of_one_process_over_all_their_rows(tmp_
     result = subprocess.run(torchrun, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     model, micro_batches = gradient_setup()
-    total = sum(train.token_losses(model, b, model.config)[0].sum() for b in micro_batches)
+    total = sum(train.token_losses(model, b, model.config, doc_mask=True)[0].sum() for b in micro_batches)
     counted = sum(b.counted.sum() for b in micro_batches)
     (total / counted).backward()
     for rank in range(2):
@@ -159,7 +159,7 @@ def test_simulated_ranks_give_the_gradient_of_one_process_with_doubled_accumulat
         ranks.this_thread.rank = rank
         model, micro_batches = replicas[rank]
         model.no_sync = nullcontext  # DDP's skips the gradient all-reduce of earlier micro-batches: none here
-        loss = train.accumulate_gradients(model, micro_batches[rank :: ranks.world_size], fp32, model.config)
+        loss = train.accumulate_gradients(model, micro_batches[rank :: ranks.world_size], fp32, model.config, True)
         return loss, [p.grad for p in model.parameters()]
 
     monkeypatch.setattr(train, "dist", ranks)
@@ -167,7 +167,7 @@ def test_simulated_ranks_give_the_gradient_of_one_process_with_doubled_accumulat
         outcomes = list(pool.map(run_rank, range(ranks.world_size)))  # re-raises what a rank raised
     monkeypatch.undo()  # one process, no process group
     model, micro_batches = gradient_setup()
-    one_process_loss = train.accumulate_gradients(model, micro_batches, fp32, model.config)
+    one_process_loss = train.accumulate_gradients(model, micro_batches, fp32, model.config, True)
     for loss, _ in outcomes:
         assert torch.allclose(loss, one_process_loss, rtol=1e-5)
     averaged = [sum(grads) / ranks.world_size for grads in zip(*(grads for _, grads in outcomes))]  # DDP's average

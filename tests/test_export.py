@@ -13,10 +13,12 @@ import transformers
 from conftest import rewrite_checkpoint, tiny_args
 
 import export_hf
+import huggingface
 import sample
 import train
 from cli import parse_config
 from config import Config
+from resolve import resolve
 from run.checkpoint import read_checkpoint
 from run.folder import read_metrics
 from shards import BOS_TEXT, EOT_TEXT, decoded, document_bounds, document_opening, leading_documents, load_shards
@@ -31,7 +33,7 @@ def run(request, tiny_corpus, tmp_path_factory):
     pos_emb, bos = request.param.split("+")[0], request.param.endswith("+bos")
     out = tmp_path_factory.mktemp(f"run_{pos_emb}_{'bos' if bos else 'plain'}")
     args = tiny_args(tiny_corpus, tmp_path_factory.mktemp("data"), out, max_iters=30, eval_interval=30, eval_tokens=0)
-    train.train(parse_config(args + [f"--pos_emb={pos_emb}", f"--bos={bos}", "--lr=1e-2", "--warmup_iters=5"]))
+    train.train(resolve(parse_config(args + [f"--pos_emb={pos_emb}", f"--bos={bos}", "--lr=1e-2", "--warmup_iters=5"])))
     return out
 
 
@@ -185,7 +187,7 @@ def test_lm_evaluation_harness_scores_a_document_as_the_run_did(exported, run):
 @pytest.mark.parametrize("defect", ["transposed", "heads reordered"])
 def test_the_check_catches_a_transposed_weight_or_reordered_heads(run, tmp_path, monkeypatch, defect):
     pos_emb = json.loads((run / "config.json").read_text())["pos_emb"]
-    mapping = export_hf.MAPPINGS[pos_emb]
+    mapping = huggingface.TO_HF[pos_emb]
 
     def broken(model):
         config, weights = mapping(model)
@@ -202,7 +204,7 @@ def test_the_check_catches_a_transposed_weight_or_reordered_heads(run, tmp_path,
             weights[name] = w.index_select(axis, order)
         return config, weights
 
-    monkeypatch.setitem(export_hf.MAPPINGS, pos_emb, broken)
+    monkeypatch.setitem(huggingface.TO_HF, pos_emb, broken)
     with pytest.raises(export_hf.ExportError, match="logits differ"):
         export_hf.export(run, tmp_path / "broken")
     assert not (tmp_path / "broken").exists()

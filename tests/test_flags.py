@@ -1,11 +1,13 @@
 """Each ablation flag, switched off alone, changes exactly what it should and nothing else."""
 
+import dataclasses
+
 import numpy as np
 import torch
 
-from api import batch_of_rows
 from data import IGNORE_INDEX, Flags
 from model import GPT, GPTConfig, attention_mask
+from studies.scoring import batch_of_rows
 
 EOT = 63
 T = 24
@@ -35,9 +37,10 @@ def test_mask_boundary_loss_off_changes_only_the_targets_after_eot():
         assert torch.equal(getattr(on, name), getattr(off, name)), name
 
 
-def test_doc_mask_off_changes_only_the_batch_s_doc_mask():
+def test_doc_mask_off_changes_nothing_of_the_batch():
+    """Its whole effect is model.attention_mask (the next test): the batch does not carry it."""
     on, off = batch(), batch(doc_mask=False)
-    assert on.doc_mask and not off.doc_mask
+    assert [f.name for f in dataclasses.fields(on)] == list(on.TENSORS)
     for name in on.TENSORS:
         assert torch.equal(getattr(on, name), getattr(off, name)), name
 

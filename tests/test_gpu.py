@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import train
-from api import batch_of_rows
 from model import GPT, GPTConfig, attention_mask
+from studies.scoring import batch_of_rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -65,14 +65,14 @@ def test_the_compiled_training_step_is_one_graph_and_never_recompiles():
     b = new_batch()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         explanation = torch._dynamo.explain(model)(
-            b.inputs, b.position_ids, attention_mask(b.doc_ids, b.doc_mask), b.targets
+            b.inputs, b.position_ids, attention_mask(b.doc_ids, doc_mask=True), b.targets
         )
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
     torch._dynamo.reset()
     counters.clear()
     for step in range(6):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            train.token_losses(compiled, new_batch(), model.config)[0].sum().backward()
+            train.token_losses(compiled, new_batch(), model.config, doc_mask=True)[0].sum().backward()
         if step == 0:
             graphs_after_first = counters["stats"]["unique_graphs"]  # the model's and the BlockMask builder's
     assert counters["stats"]["unique_graphs"] == graphs_after_first

@@ -22,6 +22,7 @@ import export_hf
 import train
 from cli import parse_config
 from config import NOT_DECIDING
+from resolve import resolve
 from studies import ablate, compare
 
 pytestmark = pytest.mark.slow  # each trains several tiny runs with torch.compile
@@ -90,9 +91,9 @@ def test_the_gpu_training_config_trains_resumes_and_exports(tiny_corpus, tmp_pat
     name, run = "gpt2_small_gpu.toml", tmp_path / "run"
     places = dict(dataset=tiny_corpus, data_dir=tmp_path / "data", out_dir=run)
     settings = [str(ROOT / "configs" / name), *overrides({**DEVICE_BOUND, **SIZE, **places})]
-    train.train(parse_config(settings))
+    train.train(resolve(parse_config(settings)))
     assert torch.load(run / "ckpt.pt", weights_only=False)["step"] == 2
-    train.train(parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=4"]))
+    train.train(resolve(parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=4"])))
     state = torch.load(run / "ckpt.pt", weights_only=False)
     assert state["step"] == 4 and state["evaluation"]["step"] == 4
     assert_the_configs_own(state["config"], name, {*DEVICE_BOUND, *SIZE, *PLACES})

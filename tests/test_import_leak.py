@@ -15,6 +15,7 @@ import train
 from cli import parse_config
 from data import Flags, PackedBatches
 from model import GPT, GPTConfig
+from resolve import resolve
 from shards import start_marker_id, with_start_marker
 from studies import ablate, import_leak
 from studies.import_leak import find_pairs, parse_file, probe
@@ -138,7 +139,7 @@ def test_a_model_trained_to_copy_the_previous_imports_leaks_without_the_mask(enc
     batches = PackedBatches(stream, enc.eot_token, 64, 16, flags=flags, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(600):
-        losses, counted = token_losses(model, batches.next(), model.config)
+        losses, counted = token_losses(model, batches.next(), model.config, flags.doc_mask)
         (losses.sum() / counted.sum()).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -189,7 +190,7 @@ def test_the_command_line_says_in_one_line_what_is_wrong(tiny_corpus, tmp_path, 
         import_leak.main(["--pairs=0"])
     assert exit_code.value.code == 2 and capsys.readouterr().err == "error: --pairs=0: must be at least 1\n"
     run = tmp_path / "run"  # documents that are not whole Python files with imports
-    train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", run, max_iters=1, eval_interval=1)))
+    train.train(resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", run, max_iters=1, eval_interval=1))))
     capsys.readouterr()
     assert import_leak.main([f"--out_dir={run}"]) == 1
     error = capsys.readouterr().err

@@ -1,5 +1,5 @@
 """train.py --init_from=FOLDER: a run starts from the weights of a Hugging Face folder. The two mappings read
-export_hf's backwards exactly; an export of a run starts a run whose model is the exported one (the same logits
+the export's backwards exactly; an export of a run starts a run whose model is the exported one (the same logits
 and validation loss); a GPT-2 made locally with transformers (biases, tanh GELU) computes here what it computes
 there; a folder whose kind, shape or tokenizer does not fit is refused in one line, with no run file written."""
 
@@ -11,13 +11,14 @@ from conftest import rewrite_checkpoint, tiny_args
 from safetensors.torch import save_file
 
 import export_hf
-import pretrained
+import huggingface
 import sample
 import shards
 import train
 from cli import parse_config
 from config import Config
 from model import GPT, GPTConfig
+from resolve import resolve, with_pretrained_shape
 from run.checkpoint import read_checkpoint
 from shards import BOS_TEXT
 
@@ -35,9 +36,9 @@ def tiny_model(pos_emb="learned", vocab_size=320, **changes) -> GPT:
 
 
 def write_folder(folder, model: GPT, vocabulary: dict, config_changes=None, extra_tensors=None):
-    """A Hugging Face folder of `model` as export_hf maps it, with a tokenizer.json of `vocabulary` (no
+    """A Hugging Face folder of `model` as an export maps it, with a tokenizer.json of `vocabulary` (no
     transformers needed: init_from reads only its vocabulary)."""
-    config, weights = export_hf.MAPPINGS[model.config.pos_emb](model)
+    config, weights = huggingface.TO_HF[model.config.pos_emb](model)
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({**config, **(config_changes or {})}))
     tensors = {name: tensor.contiguous() for name, tensor in {**weights, **(extra_tensors or {})}.items()}
@@ -90,7 +91,7 @@ def test_an_export_read_back_is_the_same_model(tmp_path, pos_emb, gpt2_like):
     changes = dict(bias=True, gelu="tanh") if gpt2_like else {}
     model = tiny_model(pos_emb, **changes)
     folder = write_folder(tmp_path / "hf", model, {"a": 0})
-    start = pretrained.read_pretrained(folder)
+    start = huggingface.read_pretrained(folder)
     assert start.settings == dict(pos_emb=pos_emb, **SHAPE, gelu="tanh" if gpt2_like else "exact", bias=gpt2_like)
     back = GPT(GPTConfig(vocab_size=320, **start.settings))
     start.load_into(back, shards.tiktoken_encoding({bytes([b]): b for b in range(256)}, r"\S+", "bytes", 319))
@@ -103,7 +104,7 @@ def test_zero_biases_are_dropped_and_gpt2s_names_without_prefix_are_read(tmp_pat
     """An export writes zero biases (the model has none); OpenAI's gpt2 names its tensors without
     `transformer.` and keeps the causal-mask buffers of old versions."""
     model = tiny_model()
-    config, weights = export_hf.gpt2_weights(model)
+    config, weights = huggingface.gpt2_weights(model)
     weights = {k.removeprefix("transformer."): v for k, v in weights.items()}
     weights["h.0.attn.bias"] = torch.ones(1, 1, 64, 64)
     folder = tmp_path / "hf"
@@ -111,7 +112,7 @@ def test_zero_biases_are_dropped_and_gpt2s_names_without_prefix_are_read(tmp_pat
     (folder / "config.json").write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in weights.items()}, folder / "model.safetensors")
     (folder / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": {"a": 0}}}))
-    start = pretrained.read_pretrained(folder)
+    start = huggingface.read_pretrained(folder)
     assert start.settings["bias"] is False and not any(k.endswith("qkv.bias") for k in start.weights)
 
 
@@ -207,8 +208,8 @@ def test_a_config_json_field_of_the_wrong_type_is_one_line(
 
 
 def test_every_config_json_field_read_has_its_type_checked():
-    read = {*pretrained.GPT2_DEFAULTS, *pretrained.NEOX_DEFAULTS, "model_type", "rope_parameters"}
-    assert read | {"rope_theta", "partial_rotary_factor", "rope_type"} == set(pretrained.FIELDS)
+    read = {*huggingface.GPT2_DEFAULTS, *huggingface.NEOX_DEFAULTS, "model_type", "rope_parameters"}
+    assert read | {"rope_theta", "partial_rotary_factor", "rope_type"} == set(huggingface.FIELDS)
 
 
 def test_a_folder_whose_settings_no_run_takes_or_whose_token_ids_are_not_ids_is_one_line(tmp_path, tiny_corpus, capsys):
@@ -249,7 +250,7 @@ def test_a_setting_that_contradicts_the_folder_is_refused_and_the_folders_are_ta
         assert err.startswith(f"error: {message} init_from={folder} has") and "drop the setting" in err, err
     assert not (tmp_path / "out").exists()
     cfg = parse_config([a for a in args if a[2:].split("=")[0] not in SHAPE])  # the defaults: 256, 4, 4, 128
-    pretrained.adopt_settings(cfg, pretrained.read_pretrained(folder), log=lambda line: None)
+    cfg = with_pretrained_shape(cfg, huggingface.read_pretrained(folder), say=lambda line: None)
     assert (cfg.seq_len, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.bias, cfg.gelu) == (64, 2, 2, 32, False, "exact")
 
 
@@ -261,7 +262,7 @@ def test_init_from_the_run_folder_itself_is_refused(tmp_path, tiny_corpus, capsy
 
 
 def test_a_tokenizer_that_is_not_the_folders_is_refused(tmp_path, tiny_corpus, data_dir, tokenizer, capsys):
-    vocabulary = pretrained.run_vocabulary(tokenizer)
+    vocabulary = huggingface.run_vocabulary(tokenizer)
     swapped = dict(vocabulary)
     first, second = list(vocabulary)[260:262]
     swapped[first], swapped[second] = vocabulary[second], vocabulary[first]
@@ -294,9 +295,9 @@ def test_a_run_started_from_an_export_has_the_exported_model(tmp_path, tiny_corp
     """Train, export, start a new run from the export: one step at learning rate 0 keeps the weights, so its
     checkpoint and its evaluation are the exported run's (to the last bit); a fresh optimizer, step 1."""
     run = tmp_path / "run"
-    train.train(parse_config(tiny_args(tiny_corpus, data_dir, run, pos_emb=pos_emb)))
+    train.train(resolve(parse_config(tiny_args(tiny_corpus, data_dir, run, pos_emb=pos_emb))))
     export_hf.export(run, tmp_path / "hf")
-    train.train(parse_config(start_args(tiny_corpus, data_dir, tmp_path / "started", tmp_path / "hf")))
+    train.train(resolve(parse_config(start_args(tiny_corpus, data_dir, tmp_path / "started", tmp_path / "hf"))))
     assert f"init_from: starting from the weights in {tmp_path / 'hf'}" in capsys.readouterr().out
     (original, before), (started, after) = model_of(run), model_of(tmp_path / "started")
     difference = float((logits(original, 320) - logits(started, 320)).abs().max())
@@ -338,8 +339,8 @@ def test_a_gpt2_made_with_transformers_computes_what_it_computes_there(tmp_path,
             if name.endswith("bias") or ".ln_" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     hf.save_pretrained(tmp_path / "gpt2")
-    export_hf.hf_tokenizer(tokenizer, 64).save_pretrained(tmp_path / "gpt2")
-    train.train(parse_config(start_args(tiny_corpus, data_dir, tmp_path / "run", tmp_path / "gpt2", bos=bos)))
+    huggingface.hf_tokenizer(tokenizer, 64).save_pretrained(tmp_path / "gpt2")
+    train.train(resolve(parse_config(start_args(tiny_corpus, data_dir, tmp_path / "run", tmp_path / "gpt2", bos=bos))))
     model, state = model_of(tmp_path / "run")
     assert (state["config"]["bias"], state["config"]["gelu"]) == (True, "tanh")
     assert model.config.vocab_size == 320 + bos

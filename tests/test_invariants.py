@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from api import batch_of_rows
 from data import Flags
 from model import GPT, GPTConfig, attention_mask
+from studies.scoring import batch_of_rows
 from train import accumulate_gradients, token_losses
 
 EOT = 63
@@ -35,14 +35,14 @@ def alone(doc: np.ndarray):
     return batch_of_rows([doc], T, EOT)
 
 
-def logits(model: GPT, batch) -> torch.Tensor:
+def logits(model: GPT, batch, doc_mask: bool = True) -> torch.Tensor:
     with torch.no_grad():
-        mask = attention_mask(batch.doc_ids, batch.doc_mask, model.config.attn_impl)
+        mask = attention_mask(batch.doc_ids, doc_mask, model.config.attn_impl)
         return model(batch.inputs, batch.position_ids, mask)
 
 
 def summed_loss(model: GPT, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    losses, counted = token_losses(model, batch, model.config)
+    losses, counted = token_losses(model, batch, model.config, doc_mask=True)
     return losses.sum(), counted.sum()
 
 
@@ -56,7 +56,7 @@ def test_document_in_a_packed_row_matches_the_document_alone(pos_emb):
     expected = logits(model, alone(docs[1]))[0, :n]
     assert torch.allclose(got, expected, atol=1e-5)
     # with the mask off the earlier document leaks in, so the same comparison fails
-    leaky = logits(model, packed(docs, doc_mask=False))[0, start : start + n]
+    leaky = logits(model, packed(docs), doc_mask=False)[0, start : start + n]
     assert not torch.allclose(leaky, expected, atol=1e-3)
 
 
@@ -73,7 +73,7 @@ def test_with_the_start_marker_a_packed_document_matches_it_alone_from_its_bos(p
     expected = logits(model, alone(docs[1]))[0, :n]
     assert torch.allclose(got, expected, atol=1e-5)
     assert packed(docs).position_ids[0, start] == 0  # the BOS sits at position 0
-    leaky = logits(model, packed(docs, doc_mask=False))[0, start : start + n]
+    leaky = logits(model, packed(docs), doc_mask=False)[0, start : start + n]
     assert not torch.allclose(leaky, expected, atol=1e-3)
 
 
@@ -102,8 +102,8 @@ def test_changing_one_document_never_changes_another(pos_emb):
     assert not torch.allclose(a[0, :start], b[0, :start], atol=1e-3)
     # without the mask, documents B and C see the change
     assert not torch.allclose(
-        logits(model, packed(docs, doc_mask=False))[0, start:],
-        logits(model, packed(changed, doc_mask=False))[0, start:],
+        logits(model, packed(docs), doc_mask=False)[0, start:],
+        logits(model, packed(changed), doc_mask=False)[0, start:],
         atol=1e-3,
     )
 
@@ -114,7 +114,7 @@ def test_changing_a_future_token_never_changes_past_logits(doc_mask):
     model = tiny_gpt("learned")
     later = [d.copy() for d in docs]
     later[1][2] = (later[1][2] + 1) % EOT  # slot 11 of the row
-    a, b = logits(model, packed(docs, doc_mask=doc_mask)), logits(model, packed(later, doc_mask=doc_mask))
+    a, b = logits(model, packed(docs), doc_mask=doc_mask), logits(model, packed(later), doc_mask=doc_mask)
     slot = len(docs[0]) + 2
     assert torch.allclose(a[0, :slot], b[0, :slot], atol=1e-6)
     assert not torch.allclose(a[0, slot:], b[0, slot:], atol=1e-3)
@@ -147,7 +147,7 @@ def test_gradient_accumulation_normalises_by_counted_targets_of_the_whole_step()
     micro = [packed(short), packed(long)]
     assert micro[0].counted.sum() * 5 < micro[1].counted.sum()
     model = tiny_gpt("learned")
-    accumulated = accumulate_gradients(model, micro, torch.autocast("cpu", enabled=False), model.config)
+    accumulated = accumulate_gradients(model, micro, torch.autocast("cpu", enabled=False), model.config, True)
     grads_accumulated = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     # the definition, written out: every counted target of the step weighs the same
@@ -158,7 +158,7 @@ def test_gradient_accumulation_normalises_by_counted_targets_of_the_whole_step()
         assert torch.allclose(g, p.grad, atol=1e-7)
     model.zero_grad()
     both = type(micro[0])(*(torch.cat([getattr(m, f) for m in micro]) for f in micro[0].TENSORS))
-    whole = accumulate_gradients(model, [both], torch.autocast("cpu", enabled=False), model.config)
+    whole = accumulate_gradients(model, [both], torch.autocast("cpu", enabled=False), model.config, True)
     assert torch.allclose(accumulated, whole, rtol=1e-5)
     for g, p in zip(grads_accumulated, model.parameters()):
         assert torch.allclose(g, p.grad, atol=1e-6)

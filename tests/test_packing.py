@@ -8,7 +8,6 @@ import pytest
 import torch
 from conftest import reference_semantics
 
-from api import batch_of_rows
 from data import (
     IGNORE_INDEX,
     PACKINGS,
@@ -25,6 +24,7 @@ from data import (
 )
 from model import document_causal_dense
 from reports import batches_statistics, describe_packing, packing_statistics
+from studies.scoring import batch_of_rows
 
 EOT = 99
 BOS = 100
@@ -142,9 +142,9 @@ def test_concat_rows_cover_the_stream_without_overlap():
 def test_document_stream_positions_count_from_the_first_text_token():
     docs = Documents(stream_of([3, 2]), EOT, bos_id=BOS)
     assert docs.starts.tolist() == [0, 4] and docs.lengths.tolist() == [4, 3]
-    assert docs.positions(np.arange(7)).tolist() == [-1, 0, 1, 2, -1, 0, 1]
+    assert docs.doc_positions(np.arange(7)).tolist() == [-1, 0, 1, 2, -1, 0, 1]
     plain = Documents(stream_of([3, 2]), EOT)
-    assert plain.positions(np.arange(5)).tolist() == [0, 1, 2, 0, 1]
+    assert plain.doc_positions(np.arange(5)).tolist() == [0, 1, 2, 0, 1]
 
 
 def test_pad_rows_hold_one_document_or_chunk_each():
@@ -186,13 +186,14 @@ def test_documents_longer_than_a_row_are_cut_into_chunks_that_share_one_token(le
     assert start.tolist() == [5 * i for i in range(len(chunks))]
 
 
-def brute_force_best_fit(sizes: list[int], capacity: int) -> list[int]:
+def brute_force_best_fit(sizes: list[int], capacity: int, alone: int = 0) -> list[int]:
     """Best fit by definition: scan every open row for the one with the least room that fits the item,
-    the first such row on ties, where rows are ranked by the order they were last put in their room class."""
+    the first such row on ties, where rows are ranked by the order they were last put in their room class;
+    each of the first `alone` items opens a row of its own."""
     rooms, last_touched, rows = [], [], []
     clock = 0
-    for size in sizes:
-        fitting = [r for r, room in enumerate(rooms) if room >= size]
+    for item, size in enumerate(sizes):
+        fitting = [r for r, room in enumerate(rooms) if room >= size] if item >= alone else []
         if fitting:
             least = min(rooms[r] for r in fitting)
             row = max((r for r in fitting if rooms[r] == least), key=lambda r: last_touched[r])
@@ -207,12 +208,13 @@ def brute_force_best_fit(sizes: list[int], capacity: int) -> list[int]:
     return rows
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_best_fit_decreasing_matches_the_brute_force_definition(seed):
     rng = np.random.default_rng(seed)
-    capacity = int(rng.integers(4, 40))
-    sizes = sorted(rng.integers(2, capacity, int(rng.integers(1, 200))).tolist(), reverse=True)
-    assert best_fit_decreasing(sizes, capacity).tolist() == brute_force_best_fit(sizes, capacity)
+    capacity = int(rng.integers(1, 40))
+    sizes = sorted(rng.integers(1, capacity + 1, int(rng.integers(0, 200))).tolist(), reverse=True)
+    alone = int(rng.integers(0, len(sizes) + 1)) if seed % 2 else 0
+    assert best_fit_decreasing(sizes, capacity, alone=alone).tolist() == brute_force_best_fit(sizes, capacity, alone)
 
 
 def test_best_fit_takes_the_row_it_fills_exactly_and_opens_a_row_only_when_none_fits():
@@ -258,7 +260,7 @@ def test_bestfit_rows_hold_whole_documents_and_pad_the_rest():
     # T = 8 (rows of 9): documents of 9, 5, 4, 3, 3 and 2 tokens fill rows 9 | 5+4 | 3+3+2 with 1 padding slot
     stream = stream_of([3, 9, 2, 5, 3, 4])
     rows = PACKINGS["bestfit"](Documents(stream, EOT), 8)
-    held = [sorted(rows.length[rows.first[r] : rows.first[r + 1]].tolist()) for r in range(len(rows))]
+    held = [sorted(rows.length[rows.offsets[r] : rows.offsets[r + 1]].tolist()) for r in range(len(rows))]
     assert held == [[9], [4, 5], [2, 3, 3]]
 
 
@@ -275,7 +277,7 @@ def test_bestfit_starts_a_row_with_the_last_chunk_of_a_long_document():
 def test_bestfit_rows_depend_on_the_data_only():
     stream = stream_of(np.random.default_rng(3).integers(2, 50, 200).tolist())
     a, b = (PACKINGS["bestfit"](Documents(s, EOT), 32) for s in (stream, stream.copy()))
-    assert np.array_equal(a.start, b.start) and np.array_equal(a.first, b.first)
+    assert np.array_equal(a.start, b.start) and np.array_equal(a.offsets, b.offsets)
 
 
 @pytest.mark.parametrize("packing", ["concat", "pad", "bestfit"])
@@ -431,3 +433,80 @@ def test_no_stream_token_is_a_counted_target_twice_under_any_flags(bos_id, flags
         counted = batches.batch(np.arange(len(batches.rows))).counted.numpy()
         targets = index[:, 1:][counted]
         assert len(np.unique(targets)) == len(targets), packing
+
+
+def row_pieces(rows) -> list[tuple[int, int]]:
+    """(first, end) of each row's pieces in rows.start and rows.length."""
+    bounds = rows.offsets.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def test_bestfit_row_order_and_piece_order_are_pinned():
+    # T = 8 (rows of 9). Documents (EOT included) of 4, 20, 9, 3, 12, 5, 2, 6 and 3 tokens; the 20 is chunks
+    # 4-12, 12-20 and 20-23, the 12 is chunks 36-44 and 44-47. First the full chunks, a row each, in stream
+    # order; then the last chunks, longest first (ties in stream order), each opening a row; then the whole
+    # documents, longest first: 6 opens row 6, 5 fills row 5 (of the two rows with room 5, the one last put
+    # there), 4 goes to row 4, 3 fills row 6, the next 3 opens row 7, where 2 goes too. In a row: its last
+    # chunk first, then the documents in the order they were placed.
+    lengths = [4, 20, 9, 3, 12, 5, 2, 6, 3]
+    rows = PACKINGS["bestfit"](Documents(stream_of(lengths), EOT), 8)
+    held = [list(zip(rows.start[a:b].tolist(), rows.length[a:b].tolist())) for a, b in row_pieces(rows)]
+    assert held == [
+        [(4, 9)],
+        [(12, 9)],
+        [(24, 9)],
+        [(36, 9)],
+        [(20, 4), (0, 4)],
+        [(44, 4), (48, 5)],
+        [(55, 6), (33, 3)],
+        [(61, 3), (53, 2)],
+    ]
+    batches = PackedBatches(stream_of(lengths), EOT, 8, 2, "bestfit", shuffle=False)
+    assert batches.document_of_rows().tolist() == [1, 1, 2, 4, 1, 4, 7, 8]  # the document each row starts in
+
+
+@pytest.mark.parametrize(
+    "sizes, capacity, alone, rows",
+    [
+        ([], 10, 0, []),
+        ([3], 10, 0, [0]),
+        ([3], 10, 1, [0]),
+        ([10, 10, 10], 10, 0, [0, 1, 2]),  # items of exactly the capacity: a row each
+        ([10, 10, 1], 10, 0, [0, 1, 2]),  # a full row takes nothing more
+        ([5, 4, 3, 2, 1], 10, 2, [0, 1, 0, 0, 1]),  # 5 and 4 open rows of their own; 3 then fits row 0 best
+        ([6, 5, 4, 1], 10, 2, [0, 1, 0, 1]),  # the 4 fills row 0 (room 4), not row 1 (room 5)
+        ([6, 5, 4, 1], 10, 0, [0, 1, 0, 1]),
+        ([5, 5, 5, 5], 10, 4, [0, 1, 2, 3]),  # `alone` opens a row each even where one would fit
+        ([5, 5, 5, 5], 10, 0, [0, 0, 1, 1]),
+    ],
+)
+def test_best_fit_decreasing_at_the_edges(sizes, capacity, alone, rows):
+    assert best_fit_decreasing(sizes, capacity, alone=alone).tolist() == rows
+    assert best_fit_decreasing(sizes, capacity, alone=alone).dtype == np.int64
+
+
+def test_concat_keeps_the_tail_for_evaluation_and_the_last_batch_is_filled_with_empty_rows():
+    stream = stream_of([5] * 6)  # 30 tokens, T = 8: 3 full rows, the last (30 - 1) mod 8 = 5 tokens in none
+    assert len(PackedBatches(stream, EOT, 8, 3, shuffle=False)) == 3
+    batches = PackedBatches(stream, EOT, 8, 3, shuffle=False, keep_tail=True)
+    assert batches.rows.start.tolist() == [0, 8, 16, 24] and batches.rows.length.tolist() == [9, 9, 9, 6]
+    first, last = batches.all_batches()
+    assert first.inputs.tolist() == [stream[r : r + 8].tolist() for r in (0, 8, 16)]
+    assert last.inputs[0].tolist() == stream[24:].tolist() + [EOT] * 2  # the tail, padded with EOT
+    # slot 24 is the fifth document's EOT: the target predicted from it is ignored, and so is padding
+    assert last.targets[0].tolist() == [IGNORE_INDEX] + stream[26:].tolist() + [IGNORE_INDEX] * 3
+    assert (last.inputs[1:] == EOT).all() and not last.counted[1:].any()  # two empty rows
+    assert last.doc_ids[1].tolist() == list(range(8)) and (last.position_ids[1:] == 0).all()
+    assert last.doc_positions[1:].eq(0).all()
+
+
+@pytest.mark.parametrize("bos_id", [None, BOS])
+def test_a_stream_cut_inside_its_last_document_ends_with_that_document(bos_id):
+    stream = np.array([1, 2, EOT, 3, 4], dtype=np.uint16)  # no EOT at the end: a probe's or a test's array
+    docs = Documents(stream, EOT, bos_id)
+    bos = 1 if bos_id else 0  # tokens a document gains from the marker
+    assert docs.starts.tolist() == [0, 3 + bos] and docs.lengths.tolist() == [3 + bos, 2 + bos]
+    assert docs.n_tokens == 5 + 2 * bos
+    by_hand = with_markers_by_hand(stream) if bos_id else stream.tolist()
+    assert docs.tokens(np.arange(docs.n_tokens)).tolist() == by_hand
+    assert len(Documents(np.zeros(0, dtype=np.uint16), EOT, bos_id)) == 0

@@ -38,6 +38,7 @@ import train
 from cli import parse_config
 from config import Config
 from errors import ConfigError, DataError
+from resolve import resolve
 from run.checkpoint import read_checkpoint
 from run.folder import RUN_FILES, exclusive_lock
 
@@ -359,10 +360,10 @@ def test_a_dataset_folder_that_holds_the_runs_outputs_skips_them(tmp_path, monke
     for i, doc in enumerate(make_documents(400)):
         (project / f"{i}.py").write_text(doc)
     monkeypatch.chdir(project)
-    train.train(parse_config(tiny_args(".", "data", "out", max_iters=1, eval_interval=1)))
+    train.train(resolve(parse_config(tiny_args(".", "data", "out", max_iters=1, eval_interval=1))))
     # out/ now holds ckpt.pt, config.json and metrics.jsonl: were they corpus, the data would change and
     # the resumed run would stop on a tokenizer mismatch
-    train.train(parse_config(tiny_args(".", "data", "out", max_iters=2, eval_interval=1) + ["--resume=true"]))
+    train.train(resolve(parse_config(tiny_args(".", "data", "out", max_iters=2, eval_interval=1) + ["--resume=true"])))
     assert "changed since" not in capsys.readouterr().out
     (meta,) = (project / "data").glob("*/meta.json")
     assert sum(s["documents"] for s in json.loads(meta.read_text())["splits"].values()) == 400
@@ -375,7 +376,7 @@ def test_data_dir_that_is_a_file_is_refused_before_reading_the_corpus(tiny_corpu
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     with pytest.raises(ConfigError, match="data_dir .* is not a writable folder"):
-        train.train(parse_config(tiny_args(tiny_corpus, blocker, tmp_path / "o")))
+        train.train(resolve(parse_config(tiny_args(tiny_corpus, blocker, tmp_path / "o"))))
 
 
 @pytest.mark.slow
@@ -385,9 +386,9 @@ def test_a_prepared_folder_decides_the_data_settings_and_a_contradicting_one_is_
     base = [a for a in base if not a.startswith("--tokenizer_vocab_size")]
     for setting in ("--tokenizer_vocab_size=500", "--val_fraction=0.2", "--data_seed=7", "--text_field=body"):
         with pytest.raises(ConfigError, match=rf"{setting[2:].split('=')[0]}=.*but {shards} was prepared with"):
-            train.train(parse_config(base + [setting]))
+            train.train(resolve(parse_config(base + [setting])))
     assert not any((tmp_path / "a" / name).exists() for name in RUN_FILES)
-    train.train(parse_config(base))  # the defaults: the folder's own settings are used, and recorded
+    train.train(resolve(parse_config(base)))  # the defaults: the folder's own settings are used, and recorded
     recorded = json.loads((tmp_path / "a" / "config.json").read_text())
     assert recorded["tokenizer_vocab_size"] == 320 and recorded["dataset"] == str(shards)
 
@@ -395,7 +396,7 @@ def test_a_prepared_folder_decides_the_data_settings_and_a_contradicting_one_is_
 @pytest.mark.slow
 def test_dataset_too_small_for_a_batch(tiny_corpus, tmp_path):
     with pytest.raises(DataError, match=r"fewer than batch_size 4096"):
-        train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "o", batch_size=4096)))
+        train.train(resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "o", batch_size=4096))))
 
 
 @pytest.mark.slow
@@ -407,7 +408,7 @@ def test_a_validation_split_shorter_than_a_row_is_scored_whole_in_one_short_row(
     corpus = tmp_path / "small.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"doc {i} " * 30}) + "\n" for i in range(20)))
     cfg = parse_config(tiny_args(corpus, tmp_path / "data", tmp_path / "o", seq_len=512, batch_size=1))
-    result = train.train(cfg)
+    result = train.train(resolve(cfg))
     prepared = shards.load_shards(next(p for p in (tmp_path / "data").iterdir() if p.is_dir()))
     lengths = np.diff(np.flatnonzero(np.asarray(prepared.val) == prepared.eot_id), prepend=-1)
     assert 0 < len(prepared.val) < 512 and result["val_doc_count_by_document"] == (lengths - 1).tolist()

@@ -34,6 +34,7 @@ from cli import parse_config
 from config import Config
 from errors import Stopped, interrupted_exit_code
 from reports import run_summary
+from resolve import resolve
 from run import processes
 from run.checkpoint import read_checkpoint
 
@@ -153,7 +154,7 @@ def test_a_stop_during_the_last_step_finishes_the_run_and_stops_a_caller(tiny_co
     assert "run finished: 4 steps" in stdout and "interrupted" not in stderr
     again = parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "other", max_iters=4))
     with pytest.raises(Stopped) as stopped:
-        train.train(again)
+        train.train(resolve(again))
     assert stopped.value.step == 4 and read_checkpoint(tmp_path / "other" / "ckpt.pt")["step"] == 4
 
 
@@ -353,7 +354,7 @@ def test_an_error_before_the_first_barrier_stops_every_process_with_one_line(ref
     args, _ = reference_run
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
     held = tmp_path / "held"
-    train.train(parse_config(args(held, max_iters=1)))  # a finished run: a new one into it is refused
+    train.train(resolve(parse_config(args(held, max_iters=1))))  # a finished run: a new one into it is refused
     for case, argv in (
         ("bad data", args(tmp_path / "a") + [f"--dataset={tmp_path / 'missing.jsonl'}"]),
         ("refused out_dir", args(held)),

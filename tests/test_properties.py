@@ -8,9 +8,9 @@ from conftest import reference_semantics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api import batch_of_rows
 from data import IGNORE_INDEX, Flags, PackedBatches
 from model import GPT, GPTConfig, attention_mask
+from studies.scoring import batch_of_rows
 
 EOT = 63
 T = 32

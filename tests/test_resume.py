@@ -29,6 +29,7 @@ import train
 from cli import parse_config
 from config import Config
 from errors import ConfigError, Stopped
+from resolve import resolve
 from run import checkpoint as checkpoints
 from run import processes
 from run.checkpoint import read_checkpoint, save_checkpoint
@@ -62,7 +63,7 @@ def test_a_resumed_run_takes_its_settings_from_its_checkpoint_not_from_config_js
     ):
         checkpoints.check_resumable(run / "ckpt.pt", state, cfg, world_size=1)
     with pytest.raises(ConfigError, match=r"with other settings \(n_embd: 32 -> 48\)"):
-        train.train(cfg)  # the one check, before anything is prepared or written
+        train.train(resolve(cfg))  # the one check, before anything is prepared or written
 
 
 def test_the_packing_cannot_change_when_a_run_resumes(tmp_path):
@@ -81,34 +82,36 @@ def test_a_damaged_config_json_beside_a_good_checkpoint_resumes_with_its_setting
     (run / "config.json").write_text('{"max_iters": 4, "n_embd": ')  # cut short
     cfg = parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=6"])
     assert cfg.n_embd == 32 and cfg.max_iters == 6 and not capsys.readouterr().err
-    train.train(cfg)
+    train.train(resolve(cfg))
     assert json.loads((run / "config.json").read_text())["max_iters"] == 6  # written whole again
     (run / "ckpt.pt").unlink()
     with pytest.raises(ConfigError, match="resume=true but .*ckpt.pt does not exist"):
-        train.train(parse_config([f"--out_dir={run}", "--resume=true"]))
+        train.train(resolve(parse_config([f"--out_dir={run}", "--resume=true"])))
 
 
 @pytest.mark.slow
 def test_resume_with_a_different_model_setting_is_refused(tiny_corpus, tmp_path):
     out = tmp_path / "run"
-    train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)))
+    train.train(resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2))))
     with pytest.raises(ConfigError, match=r"n_embd: 32 -> 64"):
-        train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, n_embd=64) + ["--resume=true"]))
+        train.train(
+            resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, n_embd=64) + ["--resume=true"]))
+        )
     for changed, named in (
         ("--bos=true", "bos: False -> True"),
         ("--packing=bestfit", "packing: 'concat' -> 'bestfit'"),
     ):
         with pytest.raises(ConfigError, match=named):  # checked once, against the checkpoint, before any work
-            train.train(parse_config([f"--out_dir={out}", "--resume=true", changed]))
+            train.train(resolve(parse_config([f"--out_dir={out}", "--resume=true", changed])))
 
 
 @pytest.mark.slow
 def test_resuming_to_fewer_steps_than_the_checkpoint_is_refused(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     args = tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=4, eval_interval=2)
-    train.train(parse_config(args))
+    train.train(resolve(parse_config(args)))
     with pytest.raises(ConfigError, match=r"ckpt.pt is at step 4, past max_iters=2"):
-        train.train(parse_config(args + ["--max_iters=2", "--resume=true"]))
+        train.train(resolve(parse_config(args + ["--max_iters=2", "--resume=true"])))
 
 
 @pytest.mark.slow
@@ -118,18 +121,18 @@ def test_resuming_by_name_keeps_the_saved_settings_and_names_what_may_not_change
     ctrl_c_at_step_6 = lambda self, step, every, device: signal.SIGINT * (step == 6)  # noqa: E731
     monkeypatch.setattr(processes.StopRequest, "agreed", ctrl_c_at_step_6)
     with pytest.raises(Stopped):
-        train.train(parse_config(args(out)))
+        train.train(resolve(parse_config(args(out))))
     monkeypatch.undo()
     cfg = parse_config([f"--out_dir={out}", "--resume=true"])
     assert cfg == parse_config(args(out) + ["--resume=true"])  # every saved setting
     assert parse_config([f"--out_dir={out}", "--resume=true", "--max_iters=20"]).max_iters == 20  # may change
     for change, name in (("--lr=0.5", "lr"), ("--seq_len=32", "seq_len"), ("--doc_mask=false", "doc_mask")):
         with pytest.raises(ConfigError, match=f"cannot resume {out} with other settings \\({name}: "):
-            train.train(parse_config([f"--out_dir={out}", "--resume=true", change]))
+            train.train(resolve(parse_config([f"--out_dir={out}", "--resume=true", change])))
         tried("rerun with a changed setting")
     with (out / "metrics.jsonl").open("a") as log:  # a kill while the next line was being written
         log.write('{"step": 7, "train_lo')
-    train.train(cfg)
+    train.train(resolve(cfg))
     assert records(out) == uninterrupted  # the cut line dropped (with a warning), the run exact
     tried("damaged run folder")
     (out / "config.json").write_text("{ damaged")  # the checkpoint holds the settings too
@@ -153,16 +156,16 @@ def test_resume_continues_exactly_where_the_run_stopped(tiny_corpus, tmp_path, p
     def without_rates(records):
         return [{k: v for k, v in r.items() if "per_sec" not in k} for r in records]
 
-    train.train(parse_config(args(tmp_path / "straight", 8)))
-    train.train(parse_config(args(tmp_path / "resumed", 4)))
-    train.train(parse_config(args(tmp_path / "resumed", 8) + ["--resume=true"]))
+    train.train(resolve(parse_config(args(tmp_path / "straight", 8))))
+    train.train(resolve(parse_config(args(tmp_path / "resumed", 4))))
+    train.train(resolve(parse_config(args(tmp_path / "resumed", 8) + ["--resume=true"])))
     straight, resumed = without_rates(metrics(tmp_path / "straight")), without_rates(metrics(tmp_path / "resumed"))
     assert len(straight) == 11 and resumed == straight  # packing statistics, 8 steps and 2 evaluations
     # the test can fail: without restoring the data position, step 5 trains on other rows
     fresh = tmp_path / "fresh"
-    train.train(parse_config(args(fresh, 4)))
+    train.train(resolve(parse_config(args(fresh, 4))))
     rewrite_checkpoint(fresh / "ckpt.pt", lambda state: state["data"].update(cursor=0))
-    train.train(parse_config(args(fresh, 8) + ["--resume=true"]))
+    train.train(resolve(parse_config(args(fresh, 8) + ["--resume=true"])))
     assert without_rates(metrics(fresh)) != straight
 
 
@@ -191,23 +194,23 @@ def test_a_resumed_run_trains_on_the_shards_its_checkpoint_names_or_not_at_all(t
     corpus = tmp_path / "docs.jsonl"
     shutil.copy(tiny_corpus, corpus)
     args = tiny_args(corpus, tmp_path / "data", tmp_path / "run", max_iters=2, eval_interval=2)
-    train.train(parse_config(args))
+    train.train(resolve(parse_config(args)))
     shards = read_checkpoint(tmp_path / "run" / "ckpt.pt")["shards"]
     with open(corpus, "a") as f:  # the corpus grows: preparing it again would give other shards
         f.write("".join(json.dumps({"text": d}) + "\n" for d in make_documents(300, seed=9)))
-    train.train(parse_config([f"--out_dir={tmp_path / 'run'}", "--resume=true", "--max_iters=4"]))
+    train.train(resolve(parse_config([f"--out_dir={tmp_path / 'run'}", "--resume=true", "--max_iters=4"])))
     assert read_checkpoint(tmp_path / "run" / "ckpt.pt")["shards"] == shards
     assert [p.name for p in (tmp_path / "data").iterdir() if not p.name.startswith(".")] == [Path(shards).name]
     shutil.rmtree(shards)  # and once they are gone, it is refused
     with pytest.raises(ConfigError, match=f"trained on the shards in {shards}, which cannot be read now"):
-        train.train(parse_config([f"--out_dir={tmp_path / 'run'}", "--resume=true", "--max_iters=6"]))
+        train.train(resolve(parse_config([f"--out_dir={tmp_path / 'run'}", "--resume=true", "--max_iters=6"])))
 
 
 @pytest.mark.slow
 def test_shards_with_another_tokenizer_than_the_checkpoint(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     args = tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)
-    train.train(parse_config(args))
+    train.train(resolve(parse_config(args)))
     rewrite_checkpoint(out / "ckpt.pt", lambda state: state.update(tokenizer_sha256="0" * 64))
     with pytest.raises(ConfigError, match="trained with another tokenizer"):
-        train.train(parse_config(args + ["--max_iters=4", "--resume=true"]))
+        train.train(resolve(parse_config(args + ["--max_iters=4", "--resume=true"])))

@@ -26,6 +26,7 @@ from conftest import (
 import train
 from cli import parse_config
 from errors import ConfigError, DataError, SaveFailed
+from resolve import resolve
 from run import checkpoint as checkpoints
 from run.checkpoint import read_checkpoint
 from run.folder import RUN_FILES, MetricsFile, RunFiles, exclusive_lock, hold, lock_holder, write_atomically
@@ -241,7 +242,7 @@ def test_a_folder_where_a_run_file_belongs_is_the_same_one_line_in_every_mode(tr
     expected = f"{run / name} is not a file, where the run's"
     for mode in ([], ["--overwrite=true"], ["--resume=true", "--max_iters=6"]):
         with pytest.raises(ConfigError, match=expected):
-            train.train(parse_config(trained[1] + [f"--out_dir={run}", *mode]))
+            train.train(resolve(parse_config(trained[1] + [f"--out_dir={run}", *mode])))
     assert (run / name).is_dir()
 
 
@@ -250,7 +251,7 @@ def test_out_dir_not_writable(tiny_corpus, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     with pytest.raises(ConfigError, match="out_dir .* is not a writable folder"):
-        train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", blocker / "out")))
+        train.train(resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", blocker / "out"))))
 
 
 @pytest.mark.slow
@@ -261,7 +262,7 @@ def test_export_never_replaces_the_run_the_working_folder_or_a_folder_that_is_no
 
     args, _ = reference_run
     out = tmp_path / "runs" / "run"
-    train.train(parse_config(args(out, max_iters=1, eval_interval=1)))
+    train.train(resolve(parse_config(args(out, max_iters=1, eval_interval=1))))
     monkeypatch.chdir(tmp_path)
     for to in (out, out.parent, tmp_path, Path("/")):
         with pytest.raises(export_hf.ExportError, match="is the run's folder, the working folder or a folder above"):
@@ -281,12 +282,12 @@ def test_export_never_replaces_the_run_the_working_folder_or_a_folder_that_is_no
 def test_a_fresh_run_never_replaces_a_finished_one(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     args = tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)
-    train.train(parse_config(args))
+    train.train(resolve(parse_config(args)))
     before = {name: (out / name).read_bytes() for name in ("ckpt.pt", "config.json", "metrics.jsonl")}
     with pytest.raises(ConfigError, match=r"holds a run .*--resume=true.*another out_dir.*--overwrite=true"):
-        train.train(parse_config(args + ["--n_embd=64"]))
+        train.train(resolve(parse_config(args + ["--n_embd=64"])))
     assert {name: (out / name).read_bytes() for name in before} == before
-    train.train(parse_config(args + ["--n_embd=64", "--overwrite=true"]))
+    train.train(resolve(parse_config(args + ["--n_embd=64", "--overwrite=true"])))
     assert torch.load(out / "ckpt.pt", weights_only=False)["config"]["n_embd"] == 64
 
 
@@ -305,10 +306,10 @@ def test_a_new_run_into_a_folder_holding_a_run_is_refused_unless_asked_to_overwr
     before = old_run_in(run)
     args = [f"--out_dir={run}", f"--data_dir={tmp_path / 'data'}", f"--dataset={tmp_path / 'missing.jsonl'}"]
     with pytest.raises(ConfigError, match=r"holds a run \(ckpt.pt\): continue it with --resume=true.*--overwrite=true"):
-        train.train(parse_config(args))
+        train.train(resolve(parse_config(args)))
     assert contents(run) == before
     with pytest.raises(DataError):  # asked to overwrite: the folder is taken, and the run goes on to its data
-        train.train(parse_config([*args, "--overwrite=true"]))
+        train.train(resolve(parse_config([*args, "--overwrite=true"])))
     assert contents(run) == before  # nothing is replaced before the new run's first checkpoint
 
 
@@ -335,7 +336,7 @@ def test_overwriting_replaces_the_old_run_only_once_the_new_one_has_a_checkpoint
     before = contents(run)
     overwrite = trained[1] + [f"--out_dir={run}", "--overwrite=true", "--seed=5"]
     with pytest.raises(DataError):  # refused after the folder was taken: bad data
-        train.train(parse_config(overwrite + [f"--dataset={tmp_path / 'missing.jsonl'}"]))
+        train.train(resolve(parse_config(overwrite + [f"--dataset={tmp_path / 'missing.jsonl'}"])))
     assert contents(run) == before
 
     def full_disk(path, state, kept):
@@ -343,10 +344,10 @@ def test_overwriting_replaces_the_old_run_only_once_the_new_one_has_a_checkpoint
 
     monkeypatch.setattr(checkpoints, "save_checkpoint", full_disk)
     with pytest.raises(SaveFailed):  # failed at its first checkpoint
-        train.train(parse_config(overwrite))
+        train.train(resolve(parse_config(overwrite)))
     assert contents(run) == before and not (run / ".replacing").exists()
     monkeypatch.undo()
-    train.train(parse_config(overwrite))
+    train.train(resolve(parse_config(overwrite)))
     after = contents(run)
     assert after.keys() == before.keys() and all(after[k] != before[k] for k in after)
     assert json.loads(after["config.json"])["run_id"] == read_checkpoint(run / "ckpt.pt")["run_id"]
@@ -358,13 +359,13 @@ def test_a_moved_run_resumes_where_it_is_and_overwrite_keeps_the_old_run_until_i
 ):
     args, _ = reference_run
     first = tmp_path / "first"
-    train.train(parse_config(args(first, max_iters=3)))
+    train.train(resolve(parse_config(args(first, max_iters=3))))
     moved = tmp_path / "moved"
     shutil.copytree(first, moved)
     shutil.rmtree(first)
     cfg = parse_config([f"--out_dir={moved}", "--resume=true", "--max_iters=6"])
     assert cfg.out_dir == str(moved)  # not the folder its config.json was written in
-    train.train(cfg)
+    train.train(resolve(cfg))
     assert not first.exists() and torch.load(moved / "ckpt.pt", weights_only=False)["step"] == 6
     with hold(moved, resume=False, overwrite=True):
         run_files = RunFiles(moved, "new", fresh=True)  # a kill now leaves the old run whole
@@ -381,23 +382,23 @@ def test_a_folder_that_mixes_two_runs_is_refused(trained, tmp_path):
     settings = json.loads((run / "config.json").read_text())
     (run / "config.json").write_text(json.dumps({**settings, "run_id": "another"}))  # a move that never finished
     with pytest.raises(ConfigError, match=f"{run} mixes two runs: its config.json belongs to another run"):
-        train.train(parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=6"]))
+        train.train(resolve(parse_config([f"--out_dir={run}", "--resume=true", "--max_iters=6"])))
 
 
 @pytest.mark.slow
 def test_damaged_run_folders_are_one_line(reference_run, tmp_path):
     args, _ = reference_run
     out = tmp_path / "run"
-    train.train(parse_config(args(out, max_iters=3)))
+    train.train(resolve(parse_config(args(out, max_iters=3))))
     lines = (out / "metrics.jsonl").read_text().splitlines()
     (out / "metrics.jsonl").write_text("\n".join([lines[0], "{ damaged", *lines[1:]]) + "\n")
     with pytest.raises(ConfigError, match=r"metrics.jsonl:2 is not a metrics record"):
-        train.train(parse_config(args(out, max_iters=6) + ["--resume=true"]))
+        train.train(resolve(parse_config(args(out, max_iters=6) + ["--resume=true"])))
     (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     (out / ".lock").unlink()
     (out / ".lock").mkdir()
     with pytest.raises(ConfigError, match=r"\.lock cannot serve as the run's lock"):
-        train.train(parse_config(args(out, max_iters=6) + ["--resume=true"]))
+        train.train(resolve(parse_config(args(out, max_iters=6) + ["--resume=true"])))
     tried("damaged run folder", 2)
 
 

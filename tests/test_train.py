@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from cli import parse_config
 from config import Config
 from data import Flags
 from model import GPT, GPTConfig
+from resolve import resolve
 
 
 def run_cli(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -63,7 +63,7 @@ def test_each_step_trains_at_the_learning_rate_of_the_schedule(tiny_corpus, tmp_
     import math
 
     args = tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", max_iters=7, warmup_iters=3, eval_interval=7)
-    train.train(parse_config(args + ["--lr=0.01", "--min_lr=0.001"]))
+    train.train(resolve(parse_config(args + ["--lr=0.01", "--min_lr=0.001"])))
     logged = {r["step"]: r["lr"] for r in metrics(tmp_path / "run") if "lr" in r}
     expected = {s: 0.01 * s / 3 for s in (1, 2, 3)}
     expected |= {s: 0.001 + 0.5 * (1 + math.cos(math.pi * (s - 4) / 4)) * 0.009 for s in (4, 5, 6, 7)}
@@ -74,7 +74,7 @@ def test_an_evaluation_budget_shorter_than_a_row_scores_its_whole_documents(tiny
     """eval_tokens below seq_len (a newcomer's --seq_len=1024 --eval_tokens=512): the whole documents that fit
     are scored (at least the first), in one short row, not refused as a validation split too small for a row."""
     args = tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", max_iters=1, warmup_iters=0, eval_interval=1)
-    train.train(parse_config(args + ["--seq_len=256", "--eval_tokens=40"]))
+    train.train(resolve(parse_config(args + ["--seq_len=256", "--eval_tokens=40"])))
     evaluation = [r for r in metrics(tmp_path / "run") if "val_doc_loss" in r][-1]
     assert len(evaluation["val_doc_count_by_document"]) == 1  # the first document is longer than 40 tokens
     assert 40 < evaluation["val_doc_count_by_document"][0] < 256
@@ -293,7 +293,7 @@ def test_scoring_alone_is_the_same_in_shared_rows_as_one_document_a_row():
         sums = reports.DocumentLosses(rows, cpu)
         for first_row, batch in zip(range(0, len(rows), 4), rows.all_batches()):
             with torch.no_grad():
-                sums.add(first_row, *train.token_losses(model, batch, model.config), batch)
+                sums.add(first_row, *train.token_losses(model, batch, model.config, doc_mask=True), batch)
         results[packing] = (len(rows), sums.result())
     (n_pad, pad), (n_shared, shared) = results["pad"], results["bestfit"]
     assert n_shared < 0.7 * n_pad
@@ -318,12 +318,12 @@ def test_a_run_with_the_start_marker_evaluates_each_document_from_its_bos(tmp_pa
     folder = prepare.prepare(str(corpus), str(tmp_path / "data"), Config(tokenizer_vocab_size=300), log=print)
     cfg = Config(dataset=str(folder), bos=True, seq_len=16, batch_size=2, eval_tokens=0, n_layer=1, n_embd=16)
     cpu, fp32 = torch.device("cpu"), torch.autocast("cpu", enabled=False)
-    session = SimpleNamespace(resumed=None, rank=0, world_size=1, device=cpu, main_process=True, print=print)
-    run = train.load_data(cfg, session)
+    plan = resolve(dataclasses.replace(cfg, out_dir=str(tmp_path / "out"), device="cpu"))
+    run = train.load_data(plan)
     bos = shards.start_marker_id(shards.load_tokenizer(folder))
     for rows in (run.val_packed, run.val_alone):  # the split's first row opens its first document
         assert next(rows.all_batches()).inputs[0, 0] == bos
-    model = GPT(train.model_settings(cfg, run.tokenizer.n_vocab))
+    model = GPT(plan.model)
     result = train.evaluate(model, model.config, run.val_packed, run.val_alone, cpu, fp32)
     prepared = shards.load_shards(folder)
     ends = np.flatnonzero(np.asarray(prepared.val) == prepared.eot_id)
@@ -333,14 +333,14 @@ def test_a_run_with_the_start_marker_evaluates_each_document_from_its_bos(tmp_pa
 
 
 def test_evaluation_suits_the_run_and_shows_progress(monkeypatch, capsys):
-    from config import Config
+    from config import Config, eval_token_budget
 
-    assert train.eval_token_budget(Config()) == 8 * 256 * 300 // 4  # the quickstart: a quarter between evals
-    assert train.eval_token_budget(Config(max_iters=10)) == 32_768  # a tiny run: the floor
-    assert train.eval_token_budget(Config(batch_size=64, seq_len=1024, eval_interval=1000)) == 1_000_000
-    assert train.eval_token_budget(Config(eval_tokens=0)) == 0 and train.eval_token_budget(Config(eval_tokens=5)) == 5
+    assert eval_token_budget(Config()) == 8 * 256 * 300 // 4  # the quickstart: a quarter between evals
+    assert eval_token_budget(Config(max_iters=10)) == 32_768  # a tiny run: the floor
+    assert eval_token_budget(Config(batch_size=64, seq_len=1024, eval_interval=1000)) == 1_000_000
+    assert eval_token_budget(Config(eval_tokens=0)) == 0 and eval_token_budget(Config(eval_tokens=5)) == 5
     # every row of every micro-batch and process counts: 2 x 2 x 8 x 256 tokens a step, 300 steps, a quarter
-    assert train.eval_token_budget(Config(grad_accum=2), world_size=2) == 614_400
+    assert eval_token_budget(Config(grad_accum=2), world_size=2) == 614_400
     clock = itertools.count(0, 4)  # every call 4 "seconds" later
     monkeypatch.setattr(train.time, "time", lambda: next(clock))
     progress = train.evaluation_progress(10, print)
@@ -352,9 +352,13 @@ def test_evaluation_suits_the_run_and_shows_progress(monkeypatch, capsys):
 
 def test_a_run_that_ends_before_its_warmup_does_says_so(tiny_corpus, tmp_path, capsys):
     args = dict(max_iters=2, eval_interval=2)
-    train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "o", warmup_iters=2, **args)))
+    train.train(
+        resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "o", warmup_iters=2, **args)))
+    )
     assert capsys.readouterr().err.count("warning: max_iters=2 is not past warmup_iters=2") == 1  # once a run
-    train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "p", warmup_iters=1, **args)))
+    train.train(
+        resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "p", warmup_iters=1, **args)))
+    )
     assert "warmup_iters" not in capsys.readouterr().err
 
 
@@ -376,7 +380,7 @@ def test_short_run_learns_writes_metrics_and_checkpoint(tiny_corpus, tmp_path):
             warmup_iters=5,
         )
     )
-    result = train.train(cfg)
+    result = train.train(resolve(cfg))
     records = metrics(out)
     losses = [r["train_loss"] for r in records if "train_loss" in r]
     evals = [r for r in records if "val_loss" in r]
@@ -406,7 +410,9 @@ VARIANTS = [
 @pytest.fixture(scope="module")
 def reference_run(tiny_corpus, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("reference")
-    return train.train(parse_config(tiny_args(tiny_corpus, tmp / "data", tmp / "run", max_iters=2, eval_interval=2)))
+    return train.train(
+        resolve(parse_config(tiny_args(tiny_corpus, tmp / "data", tmp / "run", max_iters=2, eval_interval=2)))
+    )
 
 
 @pytest.mark.slow
@@ -416,7 +422,7 @@ def test_each_variant_trains_and_differs_from_the_reference(tiny_corpus, tmp_pat
     # passed on to the batches or the model) would give the reference's numbers to the last bit.
     out = tmp_path / "run"
     result = train.train(
-        parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2) + [variant])
+        resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2) + [variant]))
     )
     key, value = variant[2:].split("=")
     assert str(json.loads((out / "config.json").read_text())[key]).lower() == value
@@ -427,7 +433,7 @@ def test_each_variant_trains_and_differs_from_the_reference(tiny_corpus, tmp_pat
 @pytest.mark.slow
 def test_sample_script_generates_from_the_checkpoint(tiny_corpus, tmp_path):
     out = tmp_path / "run"
-    train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2)))
+    train.train(resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2))))
     result = run_cli("sample.py", f"--out_dir={out}", "--prompt=def f1(", "--max_new_tokens=10", "--num_samples=2")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("--- sample") == 2 and result.stdout.count("def f1(") == 2
@@ -480,9 +486,9 @@ def test_a_run_loads_its_prepared_folder_once_also_when_resuming(tiny_corpus, tm
     loaded, load = [], shards.load_shards
     monkeypatch.setattr(shards, "load_shards", lambda path: loaded.append(path) or load(path))
     args = tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", max_iters=2, eval_interval=2, sample_tokens=0)
-    train.train(parse_config([*args, f"--dataset={folder}"]))
+    train.train(resolve(parse_config([*args, f"--dataset={folder}"])))
     assert loaded == [folder]
-    train.train(parse_config([f"--out_dir={tmp_path / 'run'}", "--resume=true", "--max_iters=4"]))
+    train.train(resolve(parse_config([f"--out_dir={tmp_path / 'run'}", "--resume=true", "--max_iters=4"])))
     assert loaded == [folder, folder]
 
 
@@ -490,7 +496,7 @@ def test_a_run_loads_its_prepared_folder_once_also_when_resuming(tiny_corpus, tm
 @pytest.mark.parametrize("extra", [[], ["--bos=true", "--packing=bestfit"], ["--packing=pad", "--pos_emb=rope"]])
 def test_the_shortest_rows_train_evaluate_sample_and_export(tiny_corpus, tmp_path, extra):
     args = tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "run", seq_len=2, n_embd=2, n_head=1, batch_size=1)
-    train.train(parse_config(args + ["--max_iters=2", "--eval_interval=1", "--eval_tokens=64", *extra]))
+    train.train(resolve(parse_config(args + ["--max_iters=2", "--eval_interval=1", "--eval_tokens=64", *extra])))
     assert sample.main([f"--out_dir={tmp_path / 'run'}", "--max_new_tokens=3"]) == 0
     export_hf.export(tmp_path / "run", tmp_path / "hf")
 
@@ -498,15 +504,17 @@ def test_the_shortest_rows_train_evaluate_sample_and_export(tiny_corpus, tmp_pat
 @pytest.mark.slow
 def test_flags_with_pad_packing_warn(tiny_corpus, tmp_path, capsys):
     train.train(
-        parse_config(
-            tiny_args(
-                tiny_corpus,
-                tmp_path / "data",
-                tmp_path / "o",
-                packing="pad",
-                doc_mask="false",
-                max_iters=1,
-                eval_interval=1,
+        resolve(
+            parse_config(
+                tiny_args(
+                    tiny_corpus,
+                    tmp_path / "data",
+                    tmp_path / "o",
+                    packing="pad",
+                    doc_mask="false",
+                    max_iters=1,
+                    eval_interval=1,
+                )
             )
         )
     )

@@ -1,5 +1,14 @@
-"""Start a run from the weights of a Hugging Face model folder (`python train.py --init_from=FOLDER`): export_hf's
-mappings read backwards. Two kinds of folder serve:
+"""The Hugging Face format, both ways: a run's model and tokenizer as a GPT-2 or GPT-NeoX folder (export_hf.py
+writes one and checks it against transformers), and such a folder as the weights a run starts from
+(`python train.py --init_from=FOLDER`). Each mapping and its reverse sit side by side, on the same tables.
+
+The architecture maps exactly. With learned positions it is GPT-2's (pre-LayerNorm, exact GELU, tied embeddings;
+GPT-2's biases, which this model has none of by default, are written as zeros; a model with biases and tanh GELU,
+as a run started from GPT-2's weights, writes its own). With RoPE it is a GPT-NeoX block (LayerNorm, exact GELU,
+rotary over the whole head with the half-split pairing, sequential residual). The tokenizer is a `tokenizers`
+byte-level BPE with the run's split pattern and merges, EOT as the end-of-text token.
+
+Two kinds of folder serve init_from:
 
   - GPT-2 (learned positions): this repo's exports, and OpenAI's gpt2, whose biases and tanh-approximate GELU
     become the run's settings `bias` and `gelu`, so that the model computes what the folder's does;
@@ -17,22 +26,35 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import tiktoken
 import torch
 
-from config import Config, setting_problem
-from errors import ConfigError
-from export_hf import LINEARS as GPT2_LINEARS
-from export_hf import byte_characters
+from errors import ConfigError, ExportError
 from model import GPT, GPTConfig
-from shards import BOS_TEXT
+from shards import BOS_TEXT, EOT_TEXT
 
+# (theirs, ours): the LayerNorms and the four projections of a block, in each format and in this model
+GPT2_NORMS = (("ln_1", "ln_1"), ("ln_2", "ln_2"))
+NEOX_NORMS = (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2"))
+GPT2_LINEARS = (
+    ("attn.c_attn", "attn.qkv"),
+    ("attn.c_proj", "attn.proj"),
+    ("mlp.c_fc", "mlp.fc"),
+    ("mlp.c_proj", "mlp.proj"),
+)
+NEOX_LINEARS = (
+    ("attention.query_key_value", "attn.qkv"),
+    ("attention.dense", "attn.proj"),
+    ("mlp.dense_h_to_4h", "mlp.fc"),
+    ("mlp.dense_4h_to_h", "mlp.proj"),
+)
 GELU = {"gelu": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # transformers' names of the two
+GELU_WRITTEN = {"exact": "gelu", "tanh": "gelu_new"}  # the names an export writes
+# buffers that some versions of transformers saved with the weights: causal masks and rotary frequencies
+BUFFERS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", ".inv_freq")
 # what transformers assumes for a key a config.json leaves out (GPT2Config's and GPTNeoXConfig's defaults)
 GPT2_DEFAULTS = {
     "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
@@ -62,15 +84,10 @@ FIELDS = {
     "rope_parameters": ("a table, or null", lambda v: v is None or isinstance(v, dict)),
     **dict.fromkeys(("rope_theta", "partial_rotary_factor"), NUMBER),  # rope_parameters' own
 }
-# (theirs, ours) for the four projections of a block, as export_hf.LINEARS for GPT-2
-NEOX_LINEARS = (
-    ("attention.query_key_value", "attn.qkv"),
-    ("attention.dense", "attn.proj"),
-    ("mlp.dense_h_to_4h", "mlp.fc"),
-    ("mlp.dense_4h_to_h", "mlp.proj"),
-)
-# buffers that some versions of transformers saved with the weights: causal masks and rotary frequencies
-BUFFERS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", ".inv_freq")
+
+
+# ----------------------------------------------------------------------------------------------
+# A folder as the weights a run starts from
 
 
 @dataclass
@@ -120,13 +137,13 @@ def read_pretrained(folder: Path) -> Pretrained:
     if isinstance(config.get("rope_parameters"), dict):
         check_fields(folder, config["rope_parameters"], "rope_parameters.")
     kind = config.get("model_type")
-    if kind not in MAPPINGS:
+    if kind not in FROM_HF:
         raise ConfigError(
             f"init_from={folder} holds a {kind or 'model of no model_type'}: a run starts only from a gpt2 folder "
             f"(or a gpt_neox one that export_hf.py wrote){run_folder_hint(folder)}"
         )
     vocabulary = read_vocabulary(folder)  # before the weights, which can take a while
-    settings, weights = MAPPINGS[kind](config, read_tensors(folder), folder)
+    settings, weights = FROM_HF[kind](config, read_tensors(folder), folder)
     settings["bias"] = settle_biases(weights)
     check_shapes(folder, settings, weights)
     if max(vocabulary.values()) >= len(weights["wte.weight"]):
@@ -146,39 +163,44 @@ def check_fields(folder: Path, fields: dict, within: str = "") -> None:
             raise ConfigError(f"init_from={folder}: config.json's {within}{key} is {shown}, not {expected}")
 
 
-def start_of(cfg: Config) -> Pretrained:
-    """The weights of the folder init_from names, with its model settings made the run's; read before out_dir
-    is touched, so that a folder that cannot serve is refused with nothing written (its tokenizer is compared
-    with the run's in train.build_model, before any run file)."""
-    start = read_pretrained(Path(cfg.init_from))
-    adopt_settings(cfg, start, print if int(os.environ.get("RANK", "0")) == 0 else lambda line: None)
-    return start
-
-
-def adopt_settings(cfg: Config, start: Pretrained, log: Callable[[str], None] = print) -> None:
-    """The folder's model settings become the run's (config.json records them); one given otherwise (not its
-    default) contradicts the folder and is refused."""
-    defaults = Config()
-    for key, value in start.settings.items():
-        if problem := setting_problem(key, value):  # a whole number can still be one no run takes (seq_len=1)
-            raise ConfigError(f"init_from={start.folder}: its config.json makes {key}={value!r}, which {problem}")
-        given = getattr(cfg, key)
-        if given != value and given != getattr(defaults, key):
-            raise ConfigError(
-                f"{key}={given!r}, but init_from={start.folder} has {key}={value!r}: drop the setting to start "
-                "from that folder"
-            )
-        setattr(cfg, key, value)
-    shape = ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in start.settings.items())
-    log(f"init_from: starting from the weights in {start.folder}, which decide the model: {shape}")
-
-
 # ----------------------------------------------------------------------------------------------
-# The two mappings: (config.json, tensors) -> (settings, state dict)
+# The two mappings, each way: this model -> (config.json, state dict), and (config.json, tensors) -> (settings,
+# state dict)
+
+
+def gpt2_weights(model: GPT) -> tuple[dict, dict[str, torch.Tensor]]:
+    """GPT-2's config and state dict for a learned-position model. GPT-2's Conv1D layers keep their
+    weights as (in, out): this model's Linear weights, transposed."""
+    c, sd = model.config, model.state_dict()
+    config = {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": c.vocab_size,
+        "n_positions": c.seq_len,
+        "n_embd": c.n_embd,
+        "n_layer": c.n_layer,
+        "n_head": c.n_head,
+        "n_inner": 4 * c.n_embd,
+        "activation_function": GELU_WRITTEN[c.gelu],  # exact unless started from GPT-2
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": True,
+    }
+    weights = {"transformer.wte.weight": sd["wte.weight"], "transformer.wpe.weight": sd["wpe.weight"]}
+    for i in range(c.n_layer):
+        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
+        weights.update(norms_named(sd, ours, theirs, GPT2_NORMS))
+        for name, source in GPT2_LINEARS:
+            weights[f"{theirs}{name}.weight"] = sd[f"{ours}{source}.weight"].t()
+            weights[f"{theirs}{name}.bias"] = bias_of(sd, f"{ours}{source}")
+    weights["transformer.ln_f.weight"], weights["transformer.ln_f.bias"] = sd["ln_f.weight"], sd["ln_f.bias"]
+    return config, weights
 
 
 def gpt2_model(config: dict, tensors: dict[str, torch.Tensor], folder: Path) -> tuple[dict, dict]:
-    """export_hf.gpt2_weights backwards: GPT-2's Conv1D layers keep their weights as (in, out), transposed."""
+    """gpt2_weights backwards: GPT-2's Conv1D layers keep their weights as (in, out), transposed."""
     c = {**GPT2_DEFAULTS, **config}
     refuse_unless(folder, c["n_inner"] in (None, 4 * c["n_embd"]), f"an MLP {c['n_inner']} wide, not 4 x n_embd")
     refuse_unless(folder, c["layer_norm_epsilon"] == 1e-5, f"LayerNorm epsilon {c['layer_norm_epsilon']}, not 1e-5")
@@ -194,9 +216,7 @@ def gpt2_model(config: dict, tensors: dict[str, torch.Tensor], folder: Path) -> 
     weights = {"wte.weight": take(tensors, "wte.weight", folder), "wpe.weight": take(tensors, "wpe.weight", folder)}
     for i in range(c["n_layer"]):
         theirs, ours = f"h.{i}.", f"blocks.{i}."
-        for norm in ("ln_1", "ln_2"):
-            for part in ("weight", "bias"):
-                weights[f"{ours}{norm}.{part}"] = take(tensors, f"{theirs}{norm}.{part}", folder)
+        weights.update(norms_taken(tensors, theirs, ours, GPT2_NORMS, folder))
         for name, source in GPT2_LINEARS:
             weights[f"{ours}{source}.weight"] = take(tensors, f"{theirs}{name}.weight", folder).t().contiguous()
             weights[f"{ours}{source}.bias"] = take(tensors, f"{theirs}{name}.bias", folder)
@@ -207,8 +227,54 @@ def gpt2_model(config: dict, tensors: dict[str, torch.Tensor], folder: Path) -> 
     return settings, weights
 
 
+def neox_weights(model: GPT) -> tuple[dict, dict[str, torch.Tensor]]:
+    """GPT-NeoX's config and state dict for a RoPE model. NeoX lays its fused projection out head by
+    head ([q, k, v] of head 0, then of head 1, ...), this model as [all q, all k, all v]: rows reordered."""
+    c, sd = model.config, model.state_dict()
+    D = c.n_embd // c.n_head
+    config = {
+        "architectures": ["GPTNeoXForCausalLM"],
+        "model_type": "gpt_neox",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.n_embd,
+        "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head,
+        "intermediate_size": 4 * c.n_embd,
+        "hidden_act": GELU_WRITTEN[c.gelu],
+        "max_position_embeddings": c.seq_len,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_base, "partial_rotary_factor": 1.0},
+        "rotary_emb_base": c.rope_base,  # the names of earlier versions of transformers
+        "rotary_pct": 1.0,
+        "use_parallel_residual": False,
+        "attention_bias": c.bias,
+        "attention_dropout": 0.0,
+        "hidden_dropout": 0.0,
+        "layer_norm_eps": 1e-5,
+        "tie_word_embeddings": False,  # written twice instead: safetensors keeps no shared tensors
+    }
+    head_major = torch.arange(3 * c.n_embd).view(3, c.n_head, D).transpose(0, 1).reshape(-1)
+    weights = {"gpt_neox.embed_in.weight": sd["wte.weight"], "embed_out.weight": sd["wte.weight"].clone()}
+    for i in range(c.n_layer):
+        ours, theirs = f"blocks.{i}.", f"gpt_neox.layers.{i}."
+        weights.update(norms_named(sd, ours, theirs, NEOX_NORMS))
+        for name, source in NEOX_LINEARS:
+            weights[f"{theirs}{name}.weight"] = sd[f"{ours}{source}.weight"]
+            if name.startswith("mlp") or c.bias:  # NeoX's attention has biases only with attention_bias
+                weights[f"{theirs}{name}.bias"] = bias_of(sd, f"{ours}{source}")
+        weights[f"{theirs}attention.query_key_value.weight"] = weights[f"{theirs}attention.query_key_value.weight"][
+            head_major
+        ]
+        if c.bias:
+            weights[f"{theirs}attention.query_key_value.bias"] = weights[f"{theirs}attention.query_key_value.bias"][
+                head_major
+            ]
+    weights["gpt_neox.final_layer_norm.weight"] = sd["ln_f.weight"]
+    weights["gpt_neox.final_layer_norm.bias"] = sd["ln_f.bias"]
+    return config, weights
+
+
 def neox_model(config: dict, tensors: dict[str, torch.Tensor], folder: Path) -> tuple[dict, dict]:
-    """export_hf.neox_weights backwards: the fused projection's rows from head by head back to [q, k, v]."""
+    """neox_weights backwards: the fused projection's rows from head by head back to [q, k, v]."""
     c = {**NEOX_DEFAULTS, **config}
     rope = c.get("rope_parameters") or {}
     C, H = c["hidden_size"], c["num_attention_heads"]
@@ -227,9 +293,7 @@ def neox_model(config: dict, tensors: dict[str, torch.Tensor], folder: Path) -> 
     weights = {"wte.weight": take(tensors, "gpt_neox.embed_in.weight", folder)}
     for i in range(c["num_hidden_layers"]):
         theirs, ours = f"gpt_neox.layers.{i}.", f"blocks.{i}."
-        for name, norm in (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2")):
-            for part in ("weight", "bias"):
-                weights[f"{ours}{norm}.{part}"] = take(tensors, f"{theirs}{name}.{part}", folder)
+        weights.update(norms_taken(tensors, theirs, ours, NEOX_NORMS, folder))
         for name, source in NEOX_LINEARS:
             weights[f"{ours}{source}.weight"] = take(tensors, f"{theirs}{name}.weight", folder)
             if name.startswith("mlp") or c["attention_bias"]:
@@ -244,7 +308,18 @@ def neox_model(config: dict, tensors: dict[str, torch.Tensor], folder: Path) -> 
     return settings, weights
 
 
-MAPPINGS = {"gpt2": gpt2_model, "gpt_neox": neox_model}
+TO_HF = {"learned": gpt2_weights, "rope": neox_weights}  # by the model's pos_emb
+FROM_HF = {"gpt2": gpt2_model, "gpt_neox": neox_model}  # by config.json's model_type
+
+
+def norms_named(sd: dict[str, torch.Tensor], ours: str, theirs: str, norms: tuple) -> dict[str, torch.Tensor]:
+    """A block's LayerNorms (`ours`: its prefix in this model's state dict) under the format's names."""
+    return {f"{theirs}{name}.{part}": sd[f"{ours}{norm}.{part}"] for name, norm in norms for part in ("weight", "bias")}
+
+
+def bias_of(sd: dict[str, torch.Tensor], layer: str) -> torch.Tensor:
+    """A projection's bias: zeros where the model has none (GPT-2's format has a place for it)."""
+    return sd.get(f"{layer}.bias", torch.zeros(len(sd[f"{layer}.weight"])))
 
 
 def settle_biases(weights: dict[str, torch.Tensor]) -> bool:
@@ -302,6 +377,15 @@ def gelu_of(folder: Path, activation: str) -> str:
     return GELU[activation]
 
 
+def norms_taken(tensors: dict[str, torch.Tensor], theirs: str, ours: str, norms: tuple, folder: Path) -> dict:
+    """norms_named backwards: a block's LayerNorms, taken from the folder's tensors, under this model's names."""
+    return {
+        f"{ours}{norm}.{part}": take(tensors, f"{theirs}{name}.{part}", folder)
+        for name, norm in norms
+        for part in ("weight", "bias")
+    }
+
+
 def take(tensors: dict[str, torch.Tensor], name: str, folder: Path) -> torch.Tensor:
     if name not in tensors:
         raise ConfigError(f"init_from={folder}: model.safetensors has no tensor {name}, which its config.json implies")
@@ -309,7 +393,119 @@ def take(tensors: dict[str, torch.Tensor], name: str, folder: Path) -> torch.Ten
 
 
 # ----------------------------------------------------------------------------------------------
-# The folder's files
+# The tokenizer, each way
+
+
+def byte_characters() -> dict[int, str]:
+    """The reversible byte -> character map in which byte-level BPE vocabularies are written (GPT-2's
+    convention, which `tokenizers`' ByteLevel follows): printable Latin-1 bytes stand for themselves,
+    the other 68 for the characters from U+0100 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+BYTE_CHARACTERS = byte_characters()
+
+
+def written(token: bytes) -> str:
+    """A token as byte-level BPE vocabularies and merge lists write it."""
+    return "".join(BYTE_CHARACTERS[b] for b in token)
+
+
+def run_vocabulary(enc: tiktoken.Encoding) -> dict[str, int]:
+    """The run's tokens as tokenizer.json writes them (hf_tokenizer's vocabulary), and their ids."""
+    return {written(token): rank for token, rank in enc._mergeable_ranks.items()} | enc._special_tokens
+
+
+def merges_of(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merge list that rebuilds tiktoken's ranks: each multi-byte token, in rank order, as the two
+    pieces that byte-pair merging with only the lower-ranked tokens leaves of it."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) < 2:
+            continue
+        pieces = [bytes([b]) for b in token]
+        while len(pieces) > 2:
+            pair_ranks = [ranks.get(a + b, rank) for a, b in zip(pieces, pieces[1:])]
+            best = min(range(len(pair_ranks)), key=pair_ranks.__getitem__)
+            if pair_ranks[best] >= rank:
+                break
+            pieces[best : best + 2] = [pieces[best] + pieces[best + 1]]
+        if len(pieces) != 2:
+            raise ExportError(f"token {token!r} (rank {rank}) is not one merge of two lower-ranked tokens")
+        merges.append((pieces[0], pieces[1]))
+    return merges
+
+
+def hf_tokenizer(enc: tiktoken.Encoding, context: int):
+    """A transformers fast tokenizer with the same vocabulary, merges and split pattern as `enc`. A run with
+    the start marker gets it as `bos_token` (else the EOT is), which the tokenizer does not add on encode:
+    lm-evaluation-harness puts `bos_token` in front of every document itself, and a tokenizer that added
+    it too would have the document scored from two (for `generate`: load it with add_bos_token=True)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    ranks = enc._mergeable_ranks  # tiktoken exposes no public accessor for the ranks
+    vocab = {written(token): rank for token, rank in ranks.items()}
+    merges = [(written(a), written(b)) for a, b in merges_of(ranks)]
+    # ignore_merges: a piece that is a token is that token, as tiktoken looks it up before merging
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(enc._pat_str), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = {text: enc.encode_single_token(text) for text in (EOT_TEXT, BOS_TEXT) if text in enc.special_tokens_set}
+    for text, run_id in sorted(specials.items(), key=lambda item: item[1]):
+        tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+        if tokenizer.token_to_id(text) != run_id:
+            raise ExportError(f"{text} would get id {tokenizer.token_to_id(text)}, the run's is {run_id}")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=EOT_TEXT,
+        bos_token=BOS_TEXT if BOS_TEXT in specials else EOT_TEXT,
+        add_bos_token=False,
+        add_eos_token=False,
+        model_max_length=context,
+        split_special_tokens=True,  # a literal "<|endoftext|>" in text is text, as the run encoded it
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def vocabulary_difference(theirs: dict[str, int], ours: dict[str, int]) -> str:
+    if len(theirs) != len(ours):
+        return f"{len(ours):,} tokens, the folder's {len(theirs):,}"
+    token = next(t for t in ours if theirs.get(t) != ours[t])
+    return f"token {token!r} has id {ours[token]}, in the folder's {theirs.get(token)}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The folder's files, each way
+
+
+def write_folder(folder: Path, model: GPT, enc: tiktoken.Encoding) -> dict:
+    """A new folder of `model` (fp32) and its tokenizer `enc`: config.json, model.safetensors and the tokenizer's
+    files; returns the config written. Needs safetensors, tokenizers and transformers (else ImportError)."""
+    from safetensors.torch import save_file
+
+    config, weights = TO_HF[model.config.pos_emb](model)
+    bos_id = enc.encode_single_token(BOS_TEXT) if BOS_TEXT in enc.special_tokens_set else enc.eot_token
+    config.update(bos_token_id=bos_id, eos_token_id=enc.eot_token, dtype="float32")
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    save_file({k: v.contiguous() for k, v in weights.items()}, folder / "model.safetensors")
+    (folder / "model.safetensors").chmod(0o644)  # safetensors writes it private
+    hf_tokenizer(enc, model.config.seq_len).save_pretrained(folder)
+    return config
 
 
 def read_json(folder: Path, name: str, missing: str) -> dict:
@@ -367,17 +563,3 @@ def read_vocabulary(folder: Path) -> dict[str, int]:
     if not vocabulary:
         raise ConfigError(f"init_from={folder}: tokenizer.json holds no tokens")
     return vocabulary
-
-
-def run_vocabulary(enc: tiktoken.Encoding) -> dict[str, int]:
-    """The run's tokens as tokenizer.json writes them (export_hf.hf_tokenizer's vocabulary), and their ids."""
-    chars = byte_characters()
-    vocabulary = {"".join(chars[b] for b in token): rank for token, rank in enc._mergeable_ranks.items()}
-    return vocabulary | enc._special_tokens
-
-
-def vocabulary_difference(theirs: dict[str, int], ours: dict[str, int]) -> str:
-    if len(theirs) != len(ours):
-        return f"{len(ours):,} tokens, the folder's {len(theirs):,}"
-    token = next(t for t in ours if theirs.get(t) != ours[t])
-    return f"token {token!r} has id {ours[token]}, in the folder's {theirs.get(token)}"
