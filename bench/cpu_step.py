@@ -30,13 +30,15 @@ from pathlib import Path
 
 import torch
 
-import api
 import reports
 import shards
+import train
 from cli import run_main, script_settings
 from config import Config, setting
-from data import Flags, PackedBatches
+from data import Batch, Flags, PackedBatches
 from errors import ConfigError, DataError, SaveFailed
+from model import GPT, GPTConfig
+from resolve import model_settings
 from run.folder import write_atomically
 from studies.plan import VARIANTS, parse_args
 
@@ -96,6 +98,23 @@ class StudyData:
         return PackedBatches(self.val, packing=packing, flags=Flags(), shuffle=False, split="val", **shape)
 
 
+def fresh_model(cfg: Config, vocab_size: int) -> tuple[GPT, torch.optim.Optimizer]:
+    """The model and optimizer a run of `cfg` starts from (the seed's init), on the CPU."""
+    torch.manual_seed(cfg.seed)
+    model = GPT(model_settings(cfg, vocab_size))
+    return model, train.optimizer_for(model, cfg)
+
+
+def training_step(
+    model: torch.nn.Module, optimizer, batch: Batch, precision, config: GPTConfig, doc_mask: bool
+) -> float:
+    """One step of train.py's loss and AdamW at the optimizer's learning rate; returns the loss."""
+    loss = train.accumulate_gradients(model, [batch], precision, config, doc_mask)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
 def time_steps(args: CpuStepSettings, study, base: Config, data: StudyData, measured: dict) -> dict:
     """Per cell and candidate: the step times of each round and the training loss after the last."""
     models = {}
@@ -104,7 +123,7 @@ def time_steps(args: CpuStepSettings, study, base: Config, data: StudyData, meas
             cfg = dataclasses.replace(base, pos_emb=pos, **VARIANTS[arm])
             for name in args.candidates:
                 compiled, bf16 = CANDIDATES[name]
-                model, optimizer = api.fresh_model(cfg, data.vocab_size)
+                model, optimizer = fresh_model(cfg, data.vocab_size)
                 precision = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
                 fast = torch.compile(model) if compiled else model
                 rows = data.training_rows(cfg)
@@ -115,7 +134,7 @@ def time_steps(args: CpuStepSettings, study, base: Config, data: StudyData, meas
             batches = [rows.next() for _ in range(args.steps)]  # each candidate of a cell: the same batches
             start = time.perf_counter()
             for batch in batches:
-                loss = api.training_step(model, optimizer, batch, precision, config, doc_mask)
+                loss = training_step(model, optimizer, batch, precision, config, doc_mask)
             elapsed = (time.perf_counter() - start) / args.steps
             results[key]["seconds"] += [elapsed] if round_ else []
             results[key]["loss"] = loss
@@ -127,7 +146,7 @@ def time_steps(args: CpuStepSettings, study, base: Config, data: StudyData, meas
 def time_evaluation(base: Config, data: StudyData, out: str, measured: dict) -> dict:
     """Scoring every validation document alone with one fresh model, eager: a row each (pad), or sharing rows
     under the document mask (best fit)."""
-    model, _ = api.fresh_model(base, data.vocab_size)
+    model, _ = fresh_model(base, data.vocab_size)
     model.eval()
     results = {}
     for packing in ("pad", "bestfit"):
@@ -136,7 +155,7 @@ def time_evaluation(base: Config, data: StudyData, out: str, measured: dict) -> 
         start = time.perf_counter()
         with torch.no_grad():
             for first_row, batch in zip(range(0, len(rows), rows.batch_size), rows.all_batches()):
-                sums.add(first_row, *api.losses(model, batch, doc_mask=True), batch)
+                sums.add(first_row, *train.token_losses(model, batch, model.config, doc_mask=True), batch)
         seconds = time.perf_counter() - start
         results[packing] = {"seconds": seconds, "rows": len(rows), "val_doc_loss": sums.result()["val_doc_loss"]}
         print(f"evaluation alone, {packing} rows: {seconds:.1f} s", flush=True)

@@ -160,3 +160,11 @@ def test_training_from_a_prepared_folder_needs_neither_preparation_nor_corpora(t
     )
     assert result.returncode == 0 and "final val_doc_loss" in result.stdout, result.stderr[-2000:]
     assert not (tmp_path / "prepare.py").exists() and not (tmp_path / "corpora.py").exists()
+
+
+def test_every_module_imports():
+    """A study or benchmark that no other test runs still loads: a name it imports from the core exists."""
+    names = sorted(repo_modules())
+    code = "import importlib, sys; [importlib.import_module(name) for name in sys.argv[1:]]"
+    result = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
