@@ -265,9 +265,9 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(long_a
     out = tmp_path / "run"
     real_accumulate, steps = train.accumulate_gradients, []
 
-    def nan_from_step_5(model, batches, autocast, config):
+    def nan_from_step_5(model, batches, autocast, config, doc_mask):
         steps.append(1)
-        loss = real_accumulate(model, batches, autocast, config)
+        loss = real_accumulate(model, batches, autocast, config, doc_mask)
         return loss * float("nan") if len(steps) >= 5 else loss
 
     monkeypatch.setattr(train, "accumulate_gradients", nan_from_step_5)
