@@ -379,50 +379,73 @@ class BenchSettings:
 
 
 def main(argv: list[str]) -> int:
-    cuda = CUDA
     args = script_settings(BenchSettings, argv, __doc__, "python -m bench.attention")
     variants, layouts, pos_embs, seq_lens = args.variants, args.layouts, args.pos_embs, args.seq_lens
-
-    def refuse(message: str) -> int:
-        print(f"error: {message}", file=sys.stderr)
-        return 2
-
-    if not (variants and layouts and pos_embs and seq_lens):
-        return refuse("variants, layouts, pos_embs and seq_lens must each name at least one")
     try:
-        option_sets = json.loads(args.flex_kernel_options) if args.flex_kernel_options else [None]
-    except json.JSONDecodeError as e:
-        return refuse(f"--flex_kernel_options: not JSON ({e})")
-    if not (isinstance(option_sets, list) and option_sets and all(isinstance(o, dict | None) for o in option_sets)):
-        return refuse("--flex_kernel_options: give a non-empty JSON list of objects")
-    if args.n_embd % args.n_head or (args.n_embd // args.n_head) % 2:
-        return refuse(f"--n_embd={args.n_embd} must split into --n_head={args.n_head} heads of even size")
-    out = Path(args.out)
-    if out.is_dir() or not out.parent.is_dir():
-        return refuse(f"--out={out} is a folder" if out.is_dir() else f"--out={out}: folder {out.parent} not found")
-
-    device = torch.device("cuda" if cuda else "cpu")
+        option_sets = checked_option_sets(args)
+    except ConfigError as e:  # settings that can never run: a usage error
+        return error_exit(e, 2)
+    device = torch.device("cuda" if CUDA else "cpu")
     # every kernel_options set and grad mode is one more compiled entry of compiled_flex_attention; past
     # the default limit of 8, dynamo would fall back to the slow unfused path and time that instead
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(option_sets) + 8)
     base = GPTConfig(vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    out = Path(args.out)
     try:
-        for seq_len in seq_lens:
-            check_fits(dataclasses.replace(base, seq_len=seq_len), max(1, args.tokens // seq_len), device)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    try:
-        write_atomically(out, "{}")  # fails now, not after the benchmark, if it cannot be written
-    except SaveFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        check_it_can_finish(args, base, device, out)
+    except (ConfigError, SaveFailed) as e:
+        return error_exit(e, 1)
     peak, peak_dtype = peak_matmul_flops(device)
-    hardware = torch.cuda.get_device_name(device) if cuda else f"CPU ({torch.get_num_threads()} threads)"
+    report = report_header(args, device, peak, peak_dtype)
+    try:
+        run_all(args, report, out, seq_lens, variants, layouts, pos_embs, option_sets, base, device, peak)
+    except SaveFailed as e:  # a full disk or a file-size limit, after some rows: they stay in out
+        return error_exit(e, 1)
+    print(format_table(report["results"], args.n_layer))
+    print(f"wrote {out}")
+    return 0
+
+
+def error_exit(error: Exception, code: int) -> int:
+    """The one line on stderr that every script ends with on an error; `code` is main's to return."""
+    print(f"error: {error}", file=sys.stderr)
+    return code
+
+
+def checked_option_sets(args: BenchSettings) -> list[dict | None]:
+    """--flex_kernel_options as the kernel_options to time (None: PyTorch's own), once every setting is
+    checked: a ConfigError now, not after minutes of benchmark."""
+    if not (args.variants and args.layouts and args.pos_embs and args.seq_lens):
+        raise ConfigError("variants, layouts, pos_embs and seq_lens must each name at least one")
+    try:
+        option_sets = json.loads(args.flex_kernel_options) if args.flex_kernel_options else [None]
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--flex_kernel_options: not JSON ({e})") from e
+    if not (isinstance(option_sets, list) and option_sets and all(isinstance(o, dict | None) for o in option_sets)):
+        raise ConfigError("--flex_kernel_options: give a non-empty JSON list of objects")
+    if args.n_embd % args.n_head or (args.n_embd // args.n_head) % 2:
+        raise ConfigError(f"--n_embd={args.n_embd} must split into --n_head={args.n_head} heads of even size")
+    out = Path(args.out)
+    if out.is_dir() or not out.parent.is_dir():
+        raise ConfigError(f"--out={out} is a folder" if out.is_dir() else f"--out={out}: folder {out.parent} not found")
+    return option_sets
+
+
+def check_it_can_finish(args: BenchSettings, base: GPTConfig, device: torch.device, out: Path) -> None:
+    """What would otherwise fail only after the benchmark: a size that does not fit the device (ConfigError),
+    a results file that cannot be written (SaveFailed)."""
+    for seq_len in args.seq_lens:
+        check_fits(dataclasses.replace(base, seq_len=seq_len), max(1, args.tokens // seq_len), device)
+    write_atomically(out, "{}")
+
+
+def report_header(args: BenchSettings, device: torch.device, peak: float, peak_dtype: str) -> dict:
+    """The results file's header, with no rows yet; the device line is printed too, before the first row."""
+    hardware = torch.cuda.get_device_name(device) if CUDA else f"CPU ({torch.get_num_threads()} threads)"
     print(
         f"device: {hardware}, torch {torch.__version__}, measured peak {peak / 1e12:.2f} TFLOP/s ({peak_dtype} matmul)"
     )
-    report = {
+    return {
         "device": hardware,
         "torch": torch.__version__,
         "peak_flops": peak,
@@ -430,14 +453,6 @@ def main(argv: list[str]) -> int:
         "args": vars(args),
         "results": [],
     }
-    try:
-        run_all(args, report, out, seq_lens, variants, layouts, pos_embs, option_sets, base, device, peak)
-    except SaveFailed as e:  # a full disk or a file-size limit, after some rows: they stay in out
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(format_table(report["results"], args.n_layer))
-    print(f"wrote {out}")
-    return 0
 
 
 def run_all(args, report, out, seq_lens, variants, layouts, pos_embs, option_sets, base, device, peak) -> None:

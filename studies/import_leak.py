@@ -122,61 +122,103 @@ def find_pairs(texts: list[str], enc: tiktoken.Encoding, n_pairs: int, seed: int
     module m that max(PRECEDING_FILES) other documents import near their start and that B never mentions."""
     files = [parse_file(t) for t in texts]
     rng = np.random.default_rng(seed)
+    importers = early_importers(files, enc)
+    pairs = []
+    for b in rng.permutation(len(files)):
+        if len(pairs) == n_pairs:
+            break
+        pair = pair_for(int(b), files, importers, enc, rng)
+        if pair is not None:
+            pairs.append(pair)
+    return pairs
+
+
+def early_importers(files: list[PythonFile | None], enc: tiktoken.Encoding) -> dict[str, list[int]]:
+    """Module -> the files whose import of it ends within IMPORT_WITHIN tokens: cut there, a few of them still
+    leave room in the row for B."""
     importers: dict[str, list[int]] = {}
     for i, f in enumerate(files):
         for module, end in f.imports.items() if f else []:
             if len(enc.encode_ordinary(f.text[:end])) <= IMPORT_WITHIN:
                 importers.setdefault(module, []).append(i)
-    pairs = []
-    for b in rng.permutation(len(files)):
-        f = files[b]
-        if f is None or f.first_import is None or len(pairs) == n_pairs:
-            continue
-        context_text = f.text[: f.first_import]
-        candidates = sorted(
-            m for m, who in importers.items() if len(set(who) - {b}) >= max(PRECEDING_FILES) and not mentions(f.text, m)
-        )
-        if not candidates:
-            continue
-        module = candidates[rng.integers(len(candidates))]
-        sources = [i for i in rng.permutation(importers[module]) if i != b][: max(PRECEDING_FILES)]
-        others = [
-            i
-            for i in rng.permutation(len(files))
-            if i != b and files[i] and files[i].imports and not mentions(files[i].text, module)
-        ]
-        if not others:
-            continue
-        neutral = files[others[0]]
-        joint = [enc.encode_ordinary(context_text + c) for c in (f"import {module}", f"from {module} import")]
-        own = enc.encode_ordinary(context_text)
-        # the token boundary both continuations share with B's own start (BPE may merge across the cut)
-        n = min(next((j for j, (x, y) in enumerate(zip(own, seq)) if x != y), min(len(own), len(seq))) for seq in joint)
-        if not 0 < n <= MAX_CONTEXT:
-            continue
+    return importers
 
-        preceding = {
-            (k, extra): np.array(sum((excerpt(files[i], module, extra, enc) for i in sources[:k]), []), dtype=np.int64)
-            for k in PRECEDING_FILES
-            for extra in EXTRA_TOKENS
-        }
-        first = files[sources[0]]
-        pairs.append(
-            LeakPair(
-                document=int(b),
-                sources=[int(i) for i in sources],
-                module=module,
-                leak_modules={
-                    m for m, end in first.imports.items() if end <= first.imports[module] and not mentions(f.text, m)
-                },
-                context=np.array(shards.document_opening(enc, "") + own[:n], dtype=np.int64),  # after its BOS, if any
-                continuations=[np.array(seq[n:], dtype=np.int64) for seq in joint],
-                preceding=preceding,
-                neutral=np.array(excerpt(neutral, next(iter(neutral.imports)), 0, enc), dtype=np.int64),
-                context_rest=f.text[len(enc.decode(own[:n])) : f.first_import],
-            )
-        )
-    return pairs
+
+def pair_for(
+    b: int,
+    files: list[PythonFile | None],
+    importers: dict[str, list[int]],
+    enc: tiktoken.Encoding,
+    rng: np.random.Generator,
+) -> LeakPair | None:
+    """B's pair, or None where B has no import to cut before, no module to leak, no neutral file, or no
+    context of at most MAX_CONTEXT tokens. The order of the draws from rng decides which pairs a seed gives."""
+    f = files[b]
+    if f is None or f.first_import is None:
+        return None
+    module = module_to_leak(b, f, importers, rng)
+    if module is None:
+        return None
+    sources = [i for i in rng.permutation(importers[module]) if i != b][: max(PRECEDING_FILES)]
+    neutral = neutral_file(b, files, module, rng)
+    if neutral is None:
+        return None
+    context, continuations = cut_before_import(f.text[: f.first_import], module, enc)
+    if not 0 < len(context) <= MAX_CONTEXT:
+        return None
+    first = files[sources[0]]
+    return LeakPair(
+        document=b,
+        sources=[int(i) for i in sources],
+        module=module,
+        leak_modules={
+            m for m, end in first.imports.items() if end <= first.imports[module] and not mentions(f.text, m)
+        },
+        context=np.array(shards.document_opening(enc, "") + context, dtype=np.int64),  # after its BOS, if any
+        continuations=[np.array(seq, dtype=np.int64) for seq in continuations],
+        preceding=preceding_excerpts(files, sources, module, enc),
+        neutral=np.array(excerpt(neutral, next(iter(neutral.imports)), 0, enc), dtype=np.int64),
+        context_rest=f.text[len(enc.decode(context)) : f.first_import],
+    )
+
+
+def module_to_leak(b: int, f: PythonFile, importers: dict[str, list[int]], rng: np.random.Generator) -> str | None:
+    """A random module that enough other files import early and that B never mentions: a model that
+    suggests it for B can only have it from the files before B."""
+    candidates = sorted(
+        m for m, who in importers.items() if len(set(who) - {b}) >= max(PRECEDING_FILES) and not mentions(f.text, m)
+    )
+    return candidates[rng.integers(len(candidates))] if candidates else None
+
+
+def neutral_file(b: int, files: list[PythonFile | None], module: str, rng: np.random.Generator) -> PythonFile | None:
+    """A random file other than B that imports something but never mentions m: what any file before B does,
+    told apart from what importing m does."""
+    order = rng.permutation(len(files))  # drawn whole, whichever file is taken
+    chosen = next(
+        (i for i in order if i != b and files[i] and files[i].imports and not mentions(files[i].text, module)), None
+    )
+    return None if chosen is None else files[chosen]
+
+
+def cut_before_import(text: str, module: str, enc: tiktoken.Encoding) -> tuple[list[int], list[list[int]]]:
+    """B's tokens before its import, and the tokens of "import m" and "from m import" after them: cut at the
+    token boundary that both continuations share with B's own start (BPE may merge across the cut)."""
+    joint = [enc.encode_ordinary(text + c) for c in (f"import {module}", f"from {module} import")]
+    own = enc.encode_ordinary(text)
+    n = min(next((j for j, (x, y) in enumerate(zip(own, seq)) if x != y), min(len(own), len(seq))) for seq in joint)
+    return own[:n], [seq[n:] for seq in joint]
+
+
+def preceding_excerpts(
+    files: list[PythonFile | None], sources: list[int], module: str, enc: tiktoken.Encoding
+) -> dict[tuple[int, int], np.ndarray]:
+    """(k, extra) -> the first k sources, each cut `extra` tokens after its import of m, back to back."""
+    return {
+        (k, extra): np.array(sum((excerpt(files[i], module, extra, enc) for i in sources[:k]), []), dtype=np.int64)
+        for k in PRECEDING_FILES
+        for extra in EXTRA_TOKENS
+    }
 
 
 def continuation_logprobs(

@@ -99,61 +99,95 @@ def summarise(runs: dict, study: Study, offsets: list[int]) -> dict:
     same seed, or the contrast within each run) with its 90% and 95% intervals, its role and verdict."""
     cells: dict = {}
     for pos in runs:
+        # every variant's endpoints first: a cell is compared with its baseline's runs, in any order
         values = {
             v: {seed: endpoints(r, study, offsets) for seed, r in by_seed.items()} for v, by_seed in runs[pos].items()
         }
         for variant, by_seed in runs[pos].items():
-            seeds = sorted(by_seed)
-            baseline = BASELINES.get(variant, "reference")
-            cell = {"seeds": seeds, "baseline": baseline, "endpoints": {}}
-            if baseline in values and not set(seeds) <= set(values[baseline]):
-                missing = sorted(set(seeds) - set(values[baseline]))
-                raise ConfigError(f"{pos}/{variant} has seeds {missing} that its baseline {pos}/{baseline} has not run")
-            shared = set.intersection(*(set(values[variant][s]) for s in seeds))
-            for name in primary_endpoints(study, variant):
-                if name not in shared or any(name not in values[baseline][s] for s in seeds):
-                    raise ConfigError(
-                        f"{pos}/{variant}: its primary endpoint {name} has no scored targets in every run"
-                    )
-            for name in [n for n in values[variant][seeds[0]] if n in shared]:
-                own = [values[variant][s][name] for s in seeds]
-                entry = {"values": own, "mean_sd": stats.mean_spread(own)}
-                paired = name in DIFFERENCE_ENDPOINTS
-                if paired and (variant == "reference" or any(name not in values[baseline][s] for s in seeds)):
-                    cell["endpoints"][name] = entry  # nothing to compare with
-                    continue
-                reference = [values[baseline][s][name] for s in seeds] if paired else None
-                if (paired and predicted_invariant(pos, variant)) or (not paired and probes_invariant(pos, variant)):
-                    verdict, worst, bitwise = stats.invariance(own, reference, study.invariance_tolerance)
-                    bound = stats.paired_effect(own, reference).bound()  # how far from 0, if not within tolerance
-                    entry.update(
-                        role="invariant", verdict=verdict, max_abs_difference=worst, bitwise=bitwise, bound=bound
-                    )
-                else:
-                    effect = stats.paired_effect(own, reference)
-                    primary = name in primary_endpoints(study, variant)
-                    entry.update(
-                        role="primary" if primary else "secondary",
-                        estimate=effect.estimate,
-                        se=effect.se,
-                        df=effect.df,
-                        ci90=list(effect.interval(0.90)),
-                        ci95=list(effect.interval(0.95)),
-                        bound=effect.bound(),
-                        p_difference=effect.p_difference(),
-                        p_equivalence=effect.p_equivalence(margin(study, name)) if primary else None,
-                        p_wilcoxon=stats.signed_rank_p(own, reference) if primary else None,
-                    )
-                cell["endpoints"][name] = entry
-            for name in ("val_loss", "wall_seconds", "useful_tokens_per_sec"):
-                own = [by_seed[s][name] for s in seeds]
-                cell["endpoints"][name] = {"values": own, "mean_sd": stats.mean_spread(own)}
-            if "import_leak" in by_seed[seeds[0]]:
-                cell["leak_growth"] = leak_growth([by_seed[s]["import_leak"] for s in seeds])
-            cells[f"{pos}/{variant}"] = cell
+            cells[f"{pos}/{variant}"] = summarise_cell(pos, variant, by_seed, values, study)
     decide_primary(cells)
     defer_verdicts(cells, study.decided_in)
     return cells
+
+
+RUN_MEASURES = ("val_loss", "wall_seconds", "useful_tokens_per_sec")  # reported per cell, never compared
+
+
+def summarise_cell(pos: str, variant: str, by_seed: dict, values: dict, study: Study) -> dict:
+    """One cell of summarise. `values`: its position kind's endpoints, variant -> seed -> name -> value. An
+    endpoint that some seed's run did not score is left out, so that every entry rests on the same seeds."""
+    seeds = sorted(by_seed)
+    baseline = BASELINES.get(variant, "reference")
+    cell = {"seeds": seeds, "baseline": baseline, "endpoints": {}}
+    shared = set.intersection(*(set(values[variant][s]) for s in seeds))
+    check_cell_is_complete(pos, variant, seeds, shared, values, study)
+    for name in [n for n in values[variant][seeds[0]] if n in shared]:
+        cell["endpoints"][name] = endpoint_entry(pos, variant, name, seeds, values, study)
+    for name in RUN_MEASURES:
+        cell["endpoints"][name] = spread_entry([by_seed[s][name] for s in seeds])
+    if "import_leak" in by_seed[seeds[0]]:
+        cell["leak_growth"] = leak_growth([by_seed[s]["import_leak"] for s in seeds])
+    return cell
+
+
+def check_cell_is_complete(
+    pos: str, variant: str, seeds: list[int], shared: set[str], values: dict, study: Study
+) -> None:
+    """A ConfigError where the cell's verdicts would rest on fewer runs than planned: a seed that its
+    baseline has not run, or a primary endpoint without scored targets in some run of either."""
+    baseline = BASELINES.get(variant, "reference")
+    if baseline in values and not set(seeds) <= set(values[baseline]):
+        missing = sorted(set(seeds) - set(values[baseline]))
+        raise ConfigError(f"{pos}/{variant} has seeds {missing} that its baseline {pos}/{baseline} has not run")
+    for name in primary_endpoints(study, variant):
+        if name not in shared or any(name not in values[baseline][s] for s in seeds):
+            raise ConfigError(f"{pos}/{variant}: its primary endpoint {name} has no scored targets in every run")
+
+
+def spread_entry(own: list[float]) -> dict:
+    """An endpoint's per-seed values with their mean and sd: all there is where nothing is compared."""
+    return {"values": own, "mean_sd": stats.mean_spread(own)}
+
+
+def endpoint_entry(pos: str, variant: str, name: str, seeds: list[int], values: dict, study: Study) -> dict:
+    """One endpoint of a cell (values: as summarise_cell takes them). A difference endpoint is paired with the
+    baseline's run of the same seed; any other is already a contrast within each run."""
+    baseline = BASELINES.get(variant, "reference")
+    own = [values[variant][s][name] for s in seeds]
+    entry = spread_entry(own)
+    paired = name in DIFFERENCE_ENDPOINTS
+    if paired and (variant == "reference" or any(name not in values[baseline][s] for s in seeds)):
+        return entry  # nothing to compare with
+    reference = [values[baseline][s][name] for s in seeds] if paired else None
+    if (paired and predicted_invariant(pos, variant)) or (not paired and probes_invariant(pos, variant)):
+        return entry | invariance_fields(own, reference, study.invariance_tolerance)
+    primary = name in primary_endpoints(study, variant)
+    return entry | effect_fields(own, reference, primary, margin(study, name))
+
+
+def invariance_fields(own: list[float], reference: list[float] | None, tolerance: float) -> dict:
+    """An endpoint the design predicts unchanged: whether it is, within the tolerance."""
+    verdict, worst, bitwise = stats.invariance(own, reference, tolerance)
+    bound = stats.paired_effect(own, reference).bound()  # how far from 0, if not within tolerance
+    return {"role": "invariant", "verdict": verdict, "max_abs_difference": worst, "bitwise": bitwise, "bound": bound}
+
+
+def effect_fields(own: list[float], reference: list[float] | None, primary: bool, equivalence_margin: float) -> dict:
+    """An endpoint's effect with its intervals; a primary one also gets the p values that decide_primary
+    corrects over the family."""
+    effect = stats.paired_effect(own, reference)
+    return {
+        "role": "primary" if primary else "secondary",
+        "estimate": effect.estimate,
+        "se": effect.se,
+        "df": effect.df,
+        "ci90": list(effect.interval(0.90)),
+        "ci95": list(effect.interval(0.95)),
+        "bound": effect.bound(),
+        "p_difference": effect.p_difference(),
+        "p_equivalence": effect.p_equivalence(equivalence_margin) if primary else None,
+        "p_wilcoxon": stats.signed_rank_p(own, reference) if primary else None,
+    }
 
 
 def defer_verdicts(cells: dict, decided_in: str) -> None:
