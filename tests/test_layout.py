@@ -81,6 +81,20 @@ def test_imports_run_one_way():
             assert not visit(name, []), f"an import circle: {' -> '.join(cycle)}"
 
 
+def import_chain(name: str, edges: dict[str, set[str]]) -> list[str]:
+    """The longest chain of imports down from `name` (imports inside functions count)."""
+    below = [import_chain(other, edges) for other in edges[name]]
+    return [name, *max(below, key=len, default=[])]
+
+
+def test_the_tower_from_train_is_at_most_nine_floors():
+    """A reader who opens train.py follows at most nine modules down: train -> resolve -> prepare -> cli ->
+    run.checkpoint -> shards -> config -> data -> errors. It was ten through pretrained -> export_hf -> sample,
+    before the Hugging Face format became one module below the scripts."""
+    chain = import_chain("train", graph())
+    assert len(chain) <= 9, " -> ".join(chain)
+
+
 def test_the_model_and_the_exceptions_import_nothing_and_the_packing_spec_only_the_exceptions():
     edges = graph()
     assert edges["model"] == set() and edges["errors"] == set() and edges["data"] == {"errors"}
