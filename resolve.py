@@ -1,5 +1,5 @@
 """A run resolved once, then run: every setting final and everything that fixes one known, before anything
-is trained or written in the run's folder.
+is trained, and before the run's folder holds anything but its lock file.
 
     plan = resolve(parse_config(argv))    # train.main; parse_config: defaults < TOML < --key=value, and on
     train(plan)                           # resume the checkpoint's settings; train never changes a setting
@@ -9,7 +9,8 @@ What fixes the rest, in this order: the processes (torchrun) and the device; a p
 unasked); the checkpoint a resumed run continues, checked against the settings; the prepared data (prepared
 first if needed; a prepared folder given as the dataset fixes the data settings); the tokenizer and the
 start marker; the evaluation budget; the model's shape with its real vocabulary, checked to fit. Every
-refusal is one line (ConfigError, DataError).
+refusal is one line (ConfigError, DataError). The run's Session then holds the folder's lock for the run's
+lifetime, and refuses a checkpoint that another run wrote after the plan read it.
 """
 
 from __future__ import annotations
@@ -81,14 +82,15 @@ def _resolve(cfg: Config, rank: int, world_size: int, device: torch.device) -> P
 
         start = huggingface.read_pretrained(Path(cfg.init_from))
         cfg = with_pretrained_shape(cfg, start, say)
-    guessed_vocab = (cfg.tokenizer_vocab_size if cfg.tokenizer == "bpe" else 256) + cfg.bos
-    check_fits(model_settings(cfg, guessed_vocab), cfg.batch_size, device)  # before a long preparation
     check_run_folder(cfg, rank)
     resumed = None
-    if cfg.resume:  # a resumed run trains on the shards it started on, or not at all
+    if cfg.resume:
         path = Path(cfg.out_dir) / "ckpt.pt"
         resumed = read_checkpoint(path)
         check_resumable(path, resumed, cfg, world_size)
+    guessed_vocab = (cfg.tokenizer_vocab_size if cfg.tokenizer == "bpe" else 256) + cfg.bos
+    check_fits(model_settings(cfg, guessed_vocab), cfg.batch_size, device)  # before a long preparation
+    if resumed is not None:  # a resumed run trains on the shards it started on, or not at all
         shard_path, prepared = shards.load_trained_on(path, resumed)
     else:
         shard_path, prepared, cfg = prepared_data(cfg, rank, say)
@@ -102,7 +104,6 @@ def _resolve(cfg: Config, rank: int, world_size: int, device: torch.device) -> P
     elif start is not None:
         model = dataclasses.replace(model, vocab_size=start.vocab_size(tokenizer))  # refuses another tokenizer
     check_fits(model, cfg.batch_size, device)
-    warn_about(cfg, say)
     return Plan(cfg, model, rank, world_size, device, shard_path, prepared, tokenizer, bos_id, resumed, start)
 
 

@@ -33,7 +33,7 @@ from config import Config, warmup_steps
 from data import Batch, Flags, PackedBatches
 from errors import ConfigError, DataError, SaveFailed, Stopped, TrainingDiverged, interrupted_exit_code
 from model import GPT, GPTConfig, attention_impl, attention_mask
-from resolve import Plan, resolve
+from resolve import Plan, resolve, warn_about
 from run import Session
 
 
@@ -47,12 +47,13 @@ def train(plan: Plan) -> dict:
         first_step = session.start(
             model, optimizer, run.train, plan.shard_path, plan.shards.meta, plan.tokenizer, mirror
         )
+        warn_about(cfg, session.print)
         attention = attention_impl(cfg.doc_mask, cfg.attn_impl, session.device)
         reports.describe_run(cfg, session, model, attention, run.train, run.val_alone, run.val_tokens)
         with session.stop_requests():  # from here a stop signal finishes the step in flight (session.stop)
             result = loop(cfg, session, run, model, optimizer, TrainingLog(cfg, session, first_step))
         if session.main_process and cfg.sample_prompt and cfg.sample_tokens and result.get("step") == cfg.max_iters:
-            print(f"\nsample:\n{sample(cfg, model, plan, session.device)}")
+            print(f"\nsample:\n{sample(model, plan)}")
     return result
 
 
@@ -229,7 +230,8 @@ def data_parallel(model: torch.nn.Module, device: torch.device) -> DistributedDa
     return DistributedDataParallel(model, device_ids=ddp_devices, forward_sync_buffers=False)
 
 
-def sample(cfg: Config, model: GPT, plan: Plan, device: torch.device) -> str:
+def sample(model: GPT, plan: Plan) -> str:
+    cfg, device = plan.cfg, plan.device
     prompt = torch.tensor([shards.document_opening(plan.tokenizer, cfg.sample_prompt)], device=device)
     with autocast(device, cfg.dtype):
         out = model.eval().generate(prompt, cfg.sample_tokens, temperature=0.8, top_k=50, stop_token=plan.shards.eot_id)

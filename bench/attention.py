@@ -226,9 +226,8 @@ def bench_training_step(variant: str, config: GPTConfig, doc_ids, device, steps,
             if reference:
                 loss = compiled(batch.inputs, batch.inputs)  # targets: any tokens do
             else:
-                mask = attention_mask_of(
-                    variant, batch, cfg, doc_mask
-                )  # each step, outside the compiled model, as train.py
+                # each step, outside the compiled model, as train.py builds it
+                mask = attention_mask_of(variant, batch, cfg, doc_mask)
                 loss = compiled(batch.inputs, batch.position_ids, mask, batch.targets).sum() / n_counted
         loss.backward()
         optimizer.step()
@@ -423,6 +422,8 @@ def checked_option_sets(args: BenchSettings) -> list[dict | None]:
         raise ConfigError(f"--flex_kernel_options: not JSON ({e})") from e
     if not (isinstance(option_sets, list) and option_sets and all(isinstance(o, dict | None) for o in option_sets)):
         raise ConfigError("--flex_kernel_options: give a non-empty JSON list of objects")
+    if not any(o in (None, {}) for o in option_sets):
+        raise ConfigError("--flex_kernel_options: include {} (PyTorch's own), the options the training step runs with")
     if args.n_embd % args.n_head or (args.n_embd // args.n_head) % 2:
         raise ConfigError(f"--n_embd={args.n_embd} must split into --n_head={args.n_head} heads of even size")
     out = Path(args.out)

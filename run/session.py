@@ -40,6 +40,10 @@ class Session:
             if self.main_process:  # only process 0 writes to out_dir
                 try:
                     self.held.enter_context(hold(Path(self.cfg.out_dir), self.cfg.resume, self.cfg.overwrite))
+                    if self.resumed is not None:  # read before the lock was held: is it still the folder's?
+                        now = checkpoint.read_checkpoint(Path(self.cfg.out_dir) / "ckpt.pt", mmap=True)
+                        if (now["step"], now.get("run_id")) != (self.resumed["step"], self.resumed.get("run_id")):
+                            raise ConfigError(f"{self.cfg.out_dir} changed while this run started: resume again")
                 except ConfigError as e:
                     refused = e
             agree(refused)  # every process stops with process 0's error, none waits for it
@@ -75,9 +79,6 @@ class Session:
         self.record = checkpoint.run_record(self.cfg, run_id, shard_path, meta, enc)
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         return self.first_step
-
-    def agree(self, error: Exception | None) -> None:  # every process raises the error any process had
-        agree(error)
 
     def log(self, record: dict) -> None:
         self.metrics.write(record)

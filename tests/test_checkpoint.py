@@ -4,6 +4,7 @@ or any record, a cut, a record of another checkpoint, a foreign or unreadable fi
 reader, training, sampling and export alike; and a checkpoint that holds what it needs (its tokenizer,
 its step and evaluation) to be sampled or exported from anywhere."""
 
+import dataclasses
 import errno
 import json
 import os
@@ -287,6 +288,19 @@ def test_a_run_that_diverges_before_its_first_checkpoint_says_none_was_written(t
 
 
 # ---- what a checkpoint holds: read from anywhere, exported with its own step and loss
+
+
+def test_the_model_of_an_earlier_checkpoint_loads():
+    """Earlier checkpoints' model_config also held doc_mask and flex_kernel_options, which the model no longer
+    has: sample.py and export_hf.py read their models all the same, with the attention they are asked for."""
+    from model import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, n_embd=16)
+    model = GPT(config)
+    saved = {**dataclasses.asdict(config), "doc_mask": True, "flex_kernel_options": None}
+    loaded = sample.trained_model({"model": model.state_dict(), "model_config": saved}, torch.device("cpu"), "sdpa")
+    assert loaded.config == dataclasses.replace(config, attn_impl="sdpa")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
 @pytest.mark.slow

@@ -106,6 +106,21 @@ def test_resume_with_a_different_model_setting_is_refused(tiny_corpus, tmp_path)
 
 
 @pytest.mark.slow
+def test_a_checkpoint_written_after_the_plan_read_it_is_refused_under_the_lock(tiny_corpus, tmp_path):
+    """A resumed run's plan reads the checkpoint before the run folder's lock is held; another run that
+    writes one in between (here: by hand) is found once the Session holds the lock, before anything is written."""
+    out = tmp_path / "run"
+    train.train(resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=2, eval_interval=2))))
+    plan = resolve(parse_config([f"--out_dir={out}", "--resume=true", "--max_iters=4"]))
+    before = (out / "metrics.jsonl").read_bytes()
+    rewrite_checkpoint(out / "ckpt.pt", lambda state: state.update(step=1))
+    with pytest.raises(ConfigError, match="changed while this run started"):
+        train.train(plan)
+    assert (out / "metrics.jsonl").read_bytes() == before and read_checkpoint(out / "ckpt.pt")["step"] == 1
+    assert train.train(resolve(parse_config([f"--out_dir={out}", "--resume=true", "--max_iters=4"])))["step"] == 4
+
+
+@pytest.mark.slow
 def test_resuming_to_fewer_steps_than_the_checkpoint_is_refused(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     args = tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=4, eval_interval=2)

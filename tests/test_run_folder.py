@@ -308,14 +308,14 @@ def test_a_new_run_into_a_folder_holding_a_run_is_refused_unless_asked_to_overwr
     with pytest.raises(ConfigError, match=r"holds a run \(ckpt.pt\): continue it with --resume=true.*--overwrite=true"):
         train.train(resolve(parse_config(args)))
     assert contents(run) == before
-    with pytest.raises(DataError):  # asked to overwrite: the folder is taken, and the run goes on to its data
+    with pytest.raises(DataError):  # asked to overwrite: the folder's checks pass, and the run goes on to its data
         train.train(resolve(parse_config([*args, "--overwrite=true"])))
     assert contents(run) == before  # nothing is replaced before the new run's first checkpoint
 
 
 def test_a_replacing_run_writes_beside_the_old_one_until_its_first_checkpoint(tmp_path):
     """The fast guard of the staging folder (test_overwriting_replaces_the_old_run_only_once_the_new_one_has_a_
-    checkpoint): RunFiles as train.fit uses it, without training."""
+    checkpoint): RunFiles as the Session uses it, without training."""
     before = old_run_in(tmp_path)
     new = {name: f"the new run's {name}".encode() for name in RUN_FILES}
     with RunFiles(tmp_path, "new", fresh=True) as run_files:  # a run that ends before its first checkpoint
@@ -326,7 +326,7 @@ def test_a_replacing_run_writes_beside_the_old_one_until_its_first_checkpoint(tm
     with RunFiles(tmp_path, "new", fresh=True) as run_files:
         for name, content in new.items():
             run_files.path(name).write_bytes(content)
-        run_files.promote()  # what Checkpointer.save does once the first checkpoint is written
+        run_files.promote()  # what Session.save does once the first checkpoint is written
     assert contents(tmp_path) == new and not (tmp_path / ".replacing").exists()
 
 
@@ -335,7 +335,7 @@ def test_overwriting_replaces_the_old_run_only_once_the_new_one_has_a_checkpoint
     run = copy_of(trained[0], tmp_path)
     before = contents(run)
     overwrite = trained[1] + [f"--out_dir={run}", "--overwrite=true", "--seed=5"]
-    with pytest.raises(DataError):  # refused after the folder was taken: bad data
+    with pytest.raises(DataError):  # refused after the folder's checks: bad data
         train.train(resolve(parse_config(overwrite + [f"--dataset={tmp_path / 'missing.jsonl'}"])))
     assert contents(run) == before
 
