@@ -105,6 +105,23 @@ def test_resume_with_a_different_model_setting_is_refused(tiny_corpus, tmp_path)
             train.train(resolve(parse_config([f"--out_dir={out}", "--resume=true", changed])))
 
 
+def test_the_session_takes_only_the_checkpoint_the_plan_read(tmp_path):
+    """The fast guard of the test below: the Session, once it holds the folder's lock, refuses a checkpoint
+    other than the one it is handed (another run wrote one after the plan read it), and takes that one."""
+    import torch
+
+    from run import Session
+
+    run = stopped_run(tmp_path / "run", Config())
+    cfg, processes = parse_config([f"--out_dir={run}", "--resume=true"]), (0, 1, torch.device("cpu"))
+    read_by_the_plan = {**read_checkpoint(run / "ckpt.pt"), "step": 1}  # the folder's is at step 2 now
+    with pytest.raises(ConfigError, match="changed while this run started"):
+        with Session(cfg, processes, read_by_the_plan):
+            pass
+    with Session(cfg, processes, read_checkpoint(run / "ckpt.pt")) as session:
+        assert session.resumed["step"] == 2
+
+
 @pytest.mark.slow
 def test_a_checkpoint_written_after_the_plan_read_it_is_refused_under_the_lock(tiny_corpus, tmp_path):
     """A resumed run's plan reads the checkpoint before the run folder's lock is held; another run that
