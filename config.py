@@ -103,7 +103,9 @@ class Config:
     )
     lr: float = setting(3e-3, "peak learning rate", minimum=0.0, maximum=10.0)
     min_lr: float = setting(3e-4, "learning rate at the end of the cosine decay", minimum=0.0, maximum=10.0)
-    warmup_iters: int = setting(-1, "linear warmup steps (-1: a tenth of max_iters)", minimum=-1)
+    warmup_iters: int = setting(
+        -1, "linear warmup steps (-1: a tenth of max_iters, fixed when the run starts)", minimum=-1, resumable=True
+    )
     weight_decay: float = setting(0.1, "AdamW weight decay on matrices", minimum=0.0, maximum=10.0)
     beta1: float = setting(0.9, "AdamW beta1", minimum=0.0)
     beta2: float = setting(0.99, "AdamW beta2", minimum=0.0)
@@ -168,7 +170,7 @@ DATA_SETTINGS = fields_where(decides="data")  # what a preparation depends on
 
 
 def warmup_steps(cfg: Config) -> int:
-    """warmup_iters, or by default (-1) a tenth of max_iters: a run made longer warms up longer, since a
+    """warmup_iters, or by default (-1) a tenth of max_iters: a longer run warms up longer, since a
     short warmup at a high learning rate split small learned-position runs into fast and slow ones
     (results/LOG.md, 2026-12-02). The quickstart's 600 steps get 60."""
     return cfg.warmup_iters if cfg.warmup_iters >= 0 else cfg.max_iters // 10

@@ -5,12 +5,13 @@ is trained, and before the run's folder holds anything but its lock file.
     train(plan)                           # resume the checkpoint's settings; train never changes a setting
 
 What fixes the rest, in this order: the processes (torchrun) and the device; a pretrained folder's shape
-(init_from); the run folder, refused now rather than after a long preparation (in use, or holding a run
-unasked); the checkpoint a resumed run continues, checked against the settings; the prepared data (prepared
-first if needed; a prepared folder given as the dataset fixes the data settings); the tokenizer and the
-start marker; the evaluation budget; the model's shape with its real vocabulary, checked to fit. Every
-refusal is one line (ConfigError, DataError). The run's Session then holds the folder's lock for the run's
-lifetime, and refuses a checkpoint that another run wrote after the plan read it.
+(init_from: a folder that is not a model's is refused before the run folder is made); the run folder, refused
+now rather than after a long preparation (in use, or holding a run unasked); the checkpoint a resumed run
+continues, checked against the settings; the prepared data (prepared first if needed; a prepared folder given as
+the dataset fixes the data settings); the tokenizer and the start marker; the evaluation budget and the warmup;
+the model's shape with its real vocabulary, checked to fit. Every refusal is one line (ConfigError, DataError).
+The run's Session then holds the folder's lock for the run's lifetime, and refuses a checkpoint that another run
+wrote after the plan read it.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def _resolve(cfg: Config, rank: int, world_size: int, device: torch.device) -> P
         shard_path, prepared = shards.load_trained_on(path, resumed)
     else:
         shard_path, prepared, cfg = prepared_data(cfg, rank, say)
-    cfg = dataclasses.replace(cfg, eval_tokens=evaluation_budget(cfg, resumed, world_size))
+    budgets = dict(eval_tokens=evaluation_budget(cfg, resumed, world_size), warmup_iters=warmup_budget(cfg, resumed))
+    cfg = dataclasses.replace(cfg, **budgets)
     enc = shards.load_tokenizer(shard_path)
     bos_id = shards.start_marker_id(enc) if cfg.bos else None
     tokenizer = shards.with_start_marker(enc, bos_id)
@@ -137,8 +139,20 @@ def evaluation_budget(cfg: Config, resumed: dict | None, world_size: int) -> int
     max_iters or eval_interval may change) evaluates on the same documents."""
     if cfg.eval_tokens != -1:
         return cfg.eval_tokens
-    saved = resumed["config"]["eval_tokens"] if resumed is not None else -1
+    saved = resumed["config"].get("eval_tokens", -1) if resumed is not None else -1
     return saved if saved >= 0 else eval_token_budget(cfg, world_size)
+
+
+def warmup_budget(cfg: Config, resumed: dict | None) -> int:
+    """warmup_iters, with -1 (a tenth of max_iters) resolved once, when the run starts, and kept in config.json
+    and the checkpoint: a resumed run made longer re-times its cosine, never its warmup (resumed early, it would
+    fall back into a longer one). A checkpoint that kept -1 warmed up for a tenth of the max_iters it kept."""
+    if cfg.warmup_iters >= 0:
+        return cfg.warmup_iters
+    started = resumed["config"] if resumed is not None else {}
+    if started.get("warmup_iters", -1) >= 0:
+        return started["warmup_iters"]
+    return warmup_steps(dataclasses.replace(cfg, max_iters=started.get("max_iters", cfg.max_iters)))
 
 
 def model_settings(cfg: Config, vocab_size: int) -> GPTConfig:

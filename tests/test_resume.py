@@ -147,6 +147,14 @@ def test_resuming_to_fewer_steps_than_the_checkpoint_is_refused(tiny_corpus, tmp
 
 
 @pytest.mark.slow
+def test_a_run_records_the_warmup_it_started_with_and_a_longer_resumed_run_keeps_it(tiny_corpus, tmp_path):
+    out = tmp_path / "run"
+    train.train(resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", out, max_iters=20, warmup_iters=-1))))
+    assert json.loads((out / "config.json").read_text())["warmup_iters"] == 2  # a tenth of 20
+    assert resolve(parse_config([f"--out_dir={out}", "--resume=true", "--max_iters=200"])).cfg.warmup_iters == 2
+
+
+@pytest.mark.slow
 def test_resuming_by_name_keeps_the_saved_settings_and_names_what_may_not_change(reference_run, tmp_path, monkeypatch):
     args, uninterrupted = reference_run
     out = tmp_path / "run"

@@ -7,6 +7,7 @@ test_cli and test_prepared_data."""
 import dataclasses
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from cli import parse_config
 from config import Config
 from data import Flags
 from model import GPT, GPTConfig
-from resolve import resolve
+from resolve import resolve, warmup_budget
 
 
 def run_cli(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -55,6 +56,19 @@ def test_the_default_warmup_is_a_tenth_of_the_steps_and_grows_with_them():
     longer = Config(lr=1.0, min_lr=0.0, max_iters=4500)
     assert train.lr_at(449, longer) == pytest.approx(1.0) and train.lr_at(224, longer) == pytest.approx(0.5)
     assert train.warmup_steps(Config(max_iters=4500, warmup_iters=0)) == 0  # given, it is kept, 0 included
+
+
+def test_the_default_warmup_is_fixed_when_the_run_starts_and_a_longer_resumed_run_keeps_it():
+    """-1 resolves once: a run resumed with ten times its max_iters would otherwise fall back from its peak
+    learning rate into a ten times longer warmup. The kept value is the checkpoint's, or where an older
+    checkpoint kept -1, a tenth of the max_iters it kept."""
+    assert warmup_budget(Config(max_iters=600), None) == 60
+    kept = {"config": {"warmup_iters": 60, "max_iters": 600}}
+    kept_minus_one = {"config": {"warmup_iters": -1, "max_iters": 600}}
+    assert warmup_budget(Config(max_iters=6000), kept) == warmup_budget(Config(max_iters=6000), kept_minus_one) == 60
+    assert warmup_budget(Config(max_iters=6000, warmup_iters=7), kept) == 7  # given on resume: taken
+    resumed = Config(lr=1.0, min_lr=0.0, max_iters=6000, warmup_iters=warmup_budget(Config(max_iters=6000), kept))
+    assert train.lr_at(99, resumed) == pytest.approx(0.5 * (1 + math.cos(math.pi * 39 / 5940)))  # not 100 / 600
 
 
 @pytest.mark.slow
