@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -434,10 +435,15 @@ def checked_option_sets(args: BenchSettings) -> list[dict | None]:
 
 def check_it_can_finish(args: BenchSettings, base: GPTConfig, device: torch.device, out: Path) -> None:
     """What would otherwise fail only after the benchmark: a size that does not fit the device (ConfigError),
-    a results file that cannot be written (SaveFailed)."""
+    a results file that cannot be written (SaveFailed). A probe beside `out` is written, never `out` itself: an
+    earlier benchmark's results stay until this one has a row."""
     for seq_len in args.seq_lens:
         check_fits(dataclasses.replace(base, seq_len=seq_len), max(1, args.tokens // seq_len), device)
-    write_atomically(out, "{}")
+    if (out.exists() or out.is_symlink()) and not out.is_file():
+        raise SaveFailed(f"could not write {out} ({out} exists and is not a regular file)")
+    probe = out.with_name(f".{out.name}.probe-{os.getpid()}")
+    write_atomically(probe, "{}")
+    probe.unlink()
 
 
 def report_header(args: BenchSettings, device: torch.device, peak: float, peak_dtype: str) -> dict:

@@ -206,7 +206,8 @@ def test_bench_records_a_failing_variant_and_goes_on(tmp_path, monkeypatch):
     from bench import attention as bench
 
     out = tmp_path / "bench.json"
-    written = []
+    out.write_text('{"an earlier benchmark": 1}')
+    written, found = [], []
     real_step, real_write = bench.bench_training_step, bench.write_atomically
 
     def failing_step(variant, *args):
@@ -217,6 +218,7 @@ def test_bench_records_a_failing_variant_and_goes_on(tmp_path, monkeypatch):
     def recording_write(path, text, *args, **kwargs):
         if Path(path).name == "bench.json":
             written.append(len(json.loads(text).get("results", [])))
+            found.append(out.read_text())
         return real_write(path, text, *args, **kwargs)
 
     monkeypatch.setattr(bench, "bench_training_step", failing_step)
@@ -226,7 +228,8 @@ def test_bench_records_a_failing_variant_and_goes_on(tmp_path, monkeypatch):
     failed, other = json.loads(out.read_text())["results"]
     assert failed["error"] == "RuntimeError: out of memory" and "step_ms" not in failed
     assert other["variant"] == "sdpa_causal" and other["step_ms"] > 0
-    assert written == [0, 1, 2]  # written before the first row (can it be?), then rewritten after every row
+    assert written == [1, 2]  # rewritten after every row...
+    assert found[0] == '{"an earlier benchmark": 1}'  # ...and an earlier benchmark's file kept until the first
 
 
 def test_every_empty_benchmark_cell_says_why():
