@@ -399,10 +399,6 @@ class PackedBatches:
         doc_positions = np.where(inputs >= 0, self.documents.doc_positions(np.maximum(inputs, 0)), 0)
         return make_batch(tokens, n_real, self.eot_id, flags=self.flags, doc_positions=doc_positions)
 
-    def document_of_rows(self) -> np.ndarray:
-        """The document each row starts in."""
-        return self.documents.document_of(self.rows.start[self.rows.offsets[:-1]])
-
     def next(self) -> Batch:
         """This process's share of the next global batch: process r takes its r-th batch_size rows."""
         global_batch = self.batch_size * self.world_size

@@ -57,11 +57,16 @@ def document_causal_by_ids(doc_ids: torch.Tensor):
 
 
 def document_causal_block_mask(doc_ids: torch.Tensor) -> BlockMask:
-    """The dense mask as a BlockMask. B must be the batch size: with B=None a batch-dependent mask is silently
-    wrong in the compiled kernel."""
+    """The dense mask as a BlockMask."""
+    return block_mask_over_rows(document_causal_by_ids(doc_ids), doc_ids)
+
+
+def block_mask_over_rows(mask_function, doc_ids: torch.Tensor) -> BlockMask:
+    """A mask function's BlockMask over these rows. B must be the batch size: with B=None a batch-dependent mask
+    is silently wrong in the compiled kernel."""
     B, T = doc_ids.shape
     build = compiled_create_block_mask if doc_ids.is_cuda else create_block_mask
-    return build(document_causal_by_ids(doc_ids), B=B, H=None, Q_LEN=T, KV_LEN=T, device=doc_ids.device)
+    return build(mask_function, B=B, H=None, Q_LEN=T, KV_LEN=T, device=doc_ids.device)
 
 
 # Lazy: nothing compiles until the first call; inside a compiled model the call is inlined into its graph.

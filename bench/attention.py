@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 
 import corpora
 import data
@@ -65,7 +65,7 @@ from model import (
     GPTConfig,
     attend,
     attention_mask,
-    compiled_create_block_mask,
+    block_mask_over_rows,
     compiled_flex_attention,
     document_causal_block_mask,
     document_causal_dense,
@@ -271,13 +271,10 @@ def document_causal_by_position(doc_ids: torch.Tensor):
 
 
 def block_mask_of(variant: str, doc_ids: torch.Tensor) -> BlockMask:
-    """The variant's BlockMask: model.py's, or one from this file's mask function, built as model.py builds its
-    own (B the batch size; compiled on CUDA)."""
+    """The variant's BlockMask: model.py's, or one from this file's mask function, built by model.py's builder."""
     if variant != "flex_doc_by_position":
         return document_causal_block_mask(doc_ids)
-    B, T = doc_ids.shape
-    build = compiled_create_block_mask if doc_ids.is_cuda else create_block_mask
-    return build(document_causal_by_position(doc_ids), B=B, H=None, Q_LEN=T, KV_LEN=T, device=doc_ids.device)
+    return block_mask_over_rows(document_causal_by_position(doc_ids), doc_ids)
 
 
 def attention_mask_of(variant: str, batch: Batch, cfg: GPTConfig, doc_mask: bool):
