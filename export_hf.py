@@ -3,12 +3,9 @@
     python export_hf.py --out_dir=out --to=hf/quickstart           # then, offline:
     AutoModelForCausalLM.from_pretrained("hf/quickstart"), AutoTokenizer.from_pretrained("hf/quickstart")
 
-The architecture maps exactly. With learned positions it is GPT-2's (pre-LayerNorm, exact GELU, tied
-embeddings; GPT-2's biases, which this model has none of by default, are written as zeros; a model with biases
-and tanh GELU, as a run started from GPT-2's weights, writes its own). With RoPE it is a
-GPT-NeoX block (LayerNorm, exact GELU, rotary over the whole head with the half-split pairing, sequential
-residual). The tokenizer becomes a `tokenizers` byte-level BPE with the run's split pattern and merges,
-EOT as the end-of-text token; like the run's encoding, it reads a literal "<|endoftext|>" in text as text.
+The architecture maps exactly: learned positions as GPT-2, RoPE as a GPT-NeoX block, the tokenizer as a
+`tokenizers` byte-level BPE (huggingface.py says how, table by table); like the run's encoding, the tokenizer
+reads a literal "<|endoftext|>" in text as text.
 
 The folder holds config.json, model.safetensors, the tokenizer files and a model card (README.md) with the
 run's flags, data and final val_doc_loss. After writing, the export is checked: the Hugging Face model's
