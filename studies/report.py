@@ -567,10 +567,15 @@ def draw_effects(axes, runs: dict, summary: dict, study: Study) -> None:
         ax.set_xlabel("the variant's loss minus its baseline's, paired by seed (nats a token; 95% interval)")
 
 
+def positions_scored(result: dict) -> int:
+    """How far into its document a validation target was scored: past it the sums run on as zeros to seq_len."""
+    return int(np.flatnonzero(result["val_doc_count_by_position"]).max(initial=0)) + 1
+
+
 def draw_loss_by_position(axes, runs: dict, study: Study) -> None:
     """loss_by_position.png: each variant's difference to its baseline by position within the document."""
     for ax, pos in zip(axes, runs):
-        n = min(len(r["val_doc_count_by_position"]) for cell in runs[pos].values() for r in cell.values())
+        n = min(positions_scored(r) for cell in runs[pos].values() for r in cell.values())
         edges = np.unique(np.r_[0, np.geomspace(1, n, 14).astype(int)])
         centers = [(a + b - 1) / 2 for a, b in zip(edges[:-1], edges[1:])]
         for variant, cell in runs[pos].items():

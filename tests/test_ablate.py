@@ -358,9 +358,12 @@ def test_an_endpoint_without_scored_targets_is_not_a_number_but_absent():
     assert "late" not in values and "first_token" not in values and values["early"] == 5.0
 
 
-def test_a_band_no_validation_document_reaches_is_reported_empty_and_the_others_still_decide(tmp_path):
+@pytest.mark.parametrize("tail", ["cut", "zero"])
+def test_a_band_no_validation_document_reaches_is_reported_empty_and_the_others_still_decide(tmp_path, tail):
     """Documents that all end before position 16 (the issue's case: studies.compare on them trained every run,
-    then KeyError: 'middle'): the middle band is reported as empty, the early band and whole documents decide."""
+    then KeyError: 'middle'): the middle band is reported as empty, the early band and whole documents decide.
+    The sums by position end where the documents do, or (as a run writes them) run on to seq_len as zeros: the
+    loss-by-position figure leaves those positions out (it once subtracted None from None there)."""
     study = plan.Study(variants=["reference", "no_doc_mask"], primary={"no_doc_mask": ["early", "from_second"]})
     rng, runs = np.random.default_rng(0), {}
     for pos in ("learned", "rope"):
@@ -369,7 +372,8 @@ def test_a_band_no_validation_document_reaches_is_reported_empty_and_the_others_
                 loss = 5.0 + 0.05 * seed + effect + rng.normal(0, 0.01)
                 result = fake_result(loss, loss, loss)
                 for key in ("val_doc_loss_sum_by_position", "val_doc_count_by_position"):
-                    result[key] = result[key][:10]  # every document ends before position 10
+                    kept = result[key][:10]  # every document ends before position 10
+                    result[key] = kept if tail == "cut" else kept + [0] * 54
                 runs.setdefault(pos, {}).setdefault(variant, {})[seed] = result
     regime = dict(documents_per_row=4.0, tokens_seeing_another_document=0.5, median_document_tokens=6.0)
     env = {"command": "python -m studies.compare", "hardware": "CPU", "torch": "2.13.0", "commit": "abc"}
