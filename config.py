@@ -40,7 +40,8 @@ class Config:
     dataset: str = setting(
         "stdlib",
         "'stdlib' (top-level definitions of the Python standard library), 'stdlib-files' (whole modules), "
-        "'packages' and 'packages-files' (the same for the packages requirements.txt pins); a directory of text "
+        "'packages' and 'packages-files' (the same for the packages requirements.txt pins), 'packages-docs' (their "
+        "docstrings: English prose); a directory of text "
         "files, a .jsonl(.gz|.zst) or .parquet file, or a glob or directory of them (one document per file, line "
         "or row); a text file of documents separated by <|endoftext|>; or a folder prepared by prepare.py",
         path=True,
@@ -131,7 +132,7 @@ class Config:
     )
     device: str = setting("auto", "'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'", resumable=True)
     dtype: str = setting("auto", "'auto': bfloat16 on CUDA", choices=("auto", "float32", "bfloat16"))
-    compile: bool = setting(False, "torch.compile the model (CUDA)", resumable=True)
+    compile: bool = setting(False, "torch.compile the model (on CUDA, and on the CPU for the studies)", resumable=True)
     wandb: bool = setting(
         False, "log to Weights & Biases (WANDB_MODE=offline: no account)", decides=None, resumable=True
     )
