@@ -30,6 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import tiktoken
@@ -418,6 +419,12 @@ def _bucket_count(source: Source, total_bytes: int) -> int:
     return min(4096, max(1, math.ceil(estimate / BUCKET_TEXT_BYTES)))
 
 
+def append_array(file: BinaryIO, array: np.ndarray) -> None:
+    """The array's bytes written through Python's file, which raises on a full disk: numpy's tofile loses that
+    error in a buffer of its own and leaves a short file behind."""
+    file.write(np.ascontiguousarray(array).data)
+
+
 class _BucketFiles:
     """The encoded documents of each (split, bucket), held in memory and appended to the bucket files
     once FLUSH_BYTES of tokens are held."""
@@ -443,11 +450,11 @@ class _BucketFiles:
     def flush(self) -> None:
         for (split, bucket), (tokens, keys, lengths) in self.buffers.items():
             with open(self.folder / f"{split}_{bucket:05d}.tokens", "ab") as f:
-                np.concatenate(tokens).tofile(f)
+                append_array(f, np.concatenate(tokens))
             index = np.empty(len(keys), dtype=INDEX_DTYPE)
             index["key"], index["length"] = keys, lengths
             with open(self.folder / f"{split}_{bucket:05d}.index", "ab") as f:
-                index.tofile(f)
+                append_array(f, index)
         self.buffers.clear()
         self.buffered = 0
 
@@ -533,7 +540,7 @@ def _write_shards(out: Path, n_buckets: int, dtype, skipped: Counter, log) -> di
                             current.close()
                         current, current_tokens = open(out / name, "wb"), 0
                     take = min(len(stream), SHARD_TOKENS - current_tokens)
-                    stream[:take].tofile(current)
+                    append_array(current, stream[:take])
                     shards[-1]["tokens"] += take
                     current_tokens += take
                     stream = stream[take:]

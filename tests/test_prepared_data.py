@@ -340,6 +340,18 @@ def test_a_full_disk_or_a_file_size_limit_while_preparing_or_benchmarking_is_one
     tried("full disk or file-size limit", 2)
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_full_disk_under_a_small_write_is_an_error_not_a_short_file(tmp_path):
+    index = np.zeros(3, dtype=prepare.INDEX_DTYPE)  # a bucket's index: a few bytes, left in a buffer until closed
+    index["key"], index["length"] = [7, 2**63, 5], [1, 2, 3]
+    with pytest.raises(OSError, match="No space left on device"):
+        with open("/dev/full", "ab") as full:  # every write there fails as on a full disk
+            prepare.append_array(full, index)
+    with open(tmp_path / "index", "ab") as f:
+        prepare.append_array(f, index[1:])
+    assert np.array_equal(np.fromfile(tmp_path / "index", dtype=prepare.INDEX_DTYPE), index[1:])
+
+
 # ---- the dataset, the data_dir and the data settings
 
 
