@@ -30,8 +30,9 @@ def exclusive_lock(path: Path, on_busy: Callable[[str], None] | None = None) -> 
                 raise BlockingIOError(lock_holder(fd)) from None
             on_busy(lock_holder(fd))
             fcntl.flock(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        with suppress(OSError):  # the pid only names the holder in messages: a full disk must not cost the lock
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the lock

@@ -418,3 +418,20 @@ def test_a_write_leaves_another_writers_temporary_file_alone(tmp_path):
     assert (tmp_path / "result.json").read_text() == "{}"
     for name in ("result.json.tmp", "result.json.tmp-1"):
         assert (tmp_path / name).read_text() == "another process, mid-write"
+
+
+def test_a_full_disk_does_not_cost_a_run_its_lock(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+    import os
+
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", full_disk)  # writing the pid is what a full disk refuses
+    lock = tmp_path / ".lock"
+    with exclusive_lock(lock):
+        other = os.open(lock, os.O_RDWR)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(other)
