@@ -77,10 +77,10 @@ class Config:
     mask_boundary_loss: bool = setting(True, "ignore the target predicted from each EOT")
     # model
     pos_emb: str = setting("learned", "position encoding", choices=("learned", "rope"), decides="model")
-    seq_len: int = setting(256, "tokens per row (the context length)", minimum=2, decides="model")
-    n_layer: int = setting(4, "transformer blocks", minimum=1, decides="model")
-    n_head: int = setting(4, "attention heads", minimum=1, decides="model")
-    n_embd: int = setting(128, "model width", minimum=2, decides="model")
+    seq_len: int = setting(256, "tokens per row (the context length)", minimum=2, maximum=2**20, decides="model")
+    n_layer: int = setting(4, "transformer blocks", minimum=1, maximum=1024, decides="model")
+    n_head: int = setting(4, "attention heads", minimum=1, maximum=1024, decides="model")
+    n_embd: int = setting(128, "model width", minimum=2, maximum=2**16, decides="model")
     dropout: float = setting(0.0, "dropout on embeddings and residual branches", minimum=0.0, decides="model")
     bias: bool = setting(False, "biases in the attention and MLP layers, as GPT-2 has", decides="model")
     gelu: str = setting(
@@ -97,8 +97,8 @@ class Config:
         "auto", "'auto': FlexAttention on CUDA, SDPA elsewhere", choices=("auto", "flex", "sdpa"), decides="model"
     )
     # optimisation
-    batch_size: int = setting(8, "rows per micro-batch", minimum=1)
-    grad_accum: int = setting(1, "micro-batches per optimizer step", minimum=1)
+    batch_size: int = setting(8, "rows per micro-batch", minimum=1, maximum=2**16)
+    grad_accum: int = setting(1, "micro-batches per optimizer step", minimum=1, maximum=2**16)
     max_iters: int = setting(
         600, "optimizer steps, the end of the cosine (re-timed on resume)", minimum=0, resumable=True
     )

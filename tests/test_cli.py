@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import (
     ROOT,
     in_process,
@@ -27,7 +28,7 @@ import train
 from cli import parse_config, run_main
 from config import Config
 from errors import ConfigError
-from resolve import resolve
+from resolve import check_fits, model_settings, resolve
 from run.checkpoint import read_checkpoint
 
 # ---- settings: config files and arguments
@@ -92,6 +93,9 @@ def test_non_finite_and_out_of_range_settings_are_refused_before_anything_else(t
         ("--seed=-1", "seed=-1: must be at least 0"),
         ("--data_seed=99999999999999999999", "data_seed=99999999999999999999: must be at most"),
         ("--tokenizer_vocab_size=70000", "tokenizer_vocab_size=70000: must be at most 65536"),
+        ("--seq_len=99999999999999999999", "seq_len=99999999999999999999: must be at most 1048576"),
+        ("--n_layer=99999999999999999999", "n_layer=99999999999999999999: must be at most 1024"),
+        ("--grad_accum=99999999999999999999", "grad_accum=99999999999999999999: must be at most 65536"),
         ("--out_dir=", "out_dir is empty"),
         ("--data_dir=", "data_dir is empty"),
         ("--device=meta", "device='meta'"),
@@ -170,7 +174,18 @@ def test_flex_on_cpu_is_refused(tiny_corpus, tmp_path):
 @pytest.mark.slow
 def test_a_model_too_large_for_the_machine_is_refused(tiny_corpus, tmp_path):
     with pytest.raises(ConfigError, match=r"needs about .* GB .* this machine has"):
-        train.train(resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "o", n_embd=200_000))))
+        train.train(
+            resolve(parse_config(tiny_args(tiny_corpus, tmp_path / "data", tmp_path / "o", n_embd=2**16, n_layer=64)))
+        )
+
+
+def test_a_step_whose_micro_batches_cannot_fit_is_refused():
+    settings = ["--batch_size=1024", "--seq_len=256", "--n_layer=1", "--n_embd=16", "--n_head=2"]
+    cfg = parse_config([*settings, "--grad_accum=65536"])  # 687 GB of token ids, built before the step
+    with pytest.raises(ConfigError, match=r"65536 x 1024 x 256 tokens a step\) needs about 687\.5 GB"):
+        check_fits(model_settings(cfg, 300), cfg, torch.device("cpu"))
+    fitting = parse_config([*settings, "--grad_accum=1"])
+    check_fits(model_settings(fitting, 300), fitting, torch.device("cpu"))
 
 
 @pytest.mark.parametrize(
