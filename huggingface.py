@@ -341,8 +341,11 @@ def check_shapes(folder: Path, settings: dict, weights: dict[str, torch.Tensor])
     try:
         with torch.device("meta"):  # shapes only: no memory, no init
             model = GPT(GPTConfig(vocab_size=len(weights["wte.weight"]), **settings))
-    except (ValueError, ZeroDivisionError, TypeError) as e:  # a config.json of zeros or of the wrong types
-        raise ConfigError(f"init_from={folder}: config.json describes no model this one can build ({e})") from None
+    except (ValueError, ZeroDivisionError, TypeError, OverflowError) as e:  # zeros, wrong types, huge numbers
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__  # torch appends its C++ stack
+        raise ConfigError(
+            f"init_from={folder}: config.json describes no model this one can build ({first_line})"
+        ) from None
     for name, expected in model.state_dict().items():
         if name != "lm_head.weight" and weights[name].shape != expected.shape:
             raise ConfigError(

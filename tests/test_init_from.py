@@ -162,6 +162,8 @@ def test_a_folder_that_is_not_a_model_folder_is_refused(tmp_path, tiny_corpus, c
         ("learned", {"n_positions": 128}, "wpe.weight has shape (64, 32) in model.safetensors, and (128, 32) by its"),
         ("learned", {"n_layer": 3}, "model.safetensors has no tensor h.2.ln_1.weight, which its config.json implies"),
         ("learned", {"n_head": 3}, "config.json describes no model this one can build"),  # 32 wide: 3 heads do not fit
+        ("learned", {"n_positions": 10**20}, "config.json describes no model this one can build (empty(): argument"),
+        ("rope", {"max_position_embeddings": 10**20}, "config.json describes no model this one can build (int too big"),
         ("rope", {"use_parallel_residual": True}, "a parallel residual"),
         ("rope", {"rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25}}, "rotary over part"),
         ("rope", {"rope_parameters": {"rope_theta": 500000.0}}, "a rotary base of 500000.0"),
