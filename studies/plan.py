@@ -15,6 +15,7 @@ from config import Config, eval_token_budget, setting, validate, warmup_steps
 from errors import ConfigError
 
 POSITION_KINDS = ("learned", "rope")
+MOST_SEEDS = 10_000  # a cell's seeds: far beyond any budget, and each a run folder
 VARIANTS = {  # name: the train.py settings it changes from the study's own settings (the reference)
     "reference": {},
     "no_doc_mask": {"doc_mask": False},
@@ -78,12 +79,15 @@ class Study:
         "variants to run (the reference is required)",
         choices=tuple(VARIANTS),
     )
-    seeds: int = setting(3, "seeds of each cell, unless seeds_by_variant names its variant", minimum=1)
+    seeds: int = setting(
+        3, "seeds of each cell, unless seeds_by_variant names its variant", minimum=1, maximum=MOST_SEEDS
+    )
     seeds_by_variant: dict[str, int] = setting({}, "seeds of these variants, e.g. no_mask_boundary_loss=12")
     invariance_seeds: int = setting(
         2,
         "seeds of a cell predicted equal to the reference (RoPE without position reset): enough to check it",
         minimum=1,
+        maximum=MOST_SEEDS,
     )
     first_seed: int = setting(0, "seeds run first_seed, first_seed + 1, ...; new seeds make a new study", minimum=0)
     early_band: list[int] = setting(
@@ -149,8 +153,8 @@ class Study:
         unknown = set(self.seeds_by_variant) - set(VARIANTS)
         if unknown:
             raise ConfigError(f"seeds_by_variant names no variant {', '.join(sorted(unknown))}")
-        if any(n < 1 for n in self.seeds_by_variant.values()):
-            raise ConfigError("seeds_by_variant: every count must be at least 1")
+        if any(n < 1 or n > MOST_SEEDS for n in self.seeds_by_variant.values()):
+            raise ConfigError(f"seeds_by_variant: every count must be at least 1 and at most {MOST_SEEDS}")
         for name in ("early_band", "middle_band", "late_band"):
             band = getattr(self, name)
             if name == "late_band" and not band:

@@ -94,6 +94,8 @@ def test_bad_study_settings_are_one_clear_error(tmp_path):
         ("early_band = [16, 0]", "early_band=[16, 0]: expected [first, last + 1]"),
         ("seeds_by_variant = { padding = 3 }", "seeds_by_variant names no variant padding"),
         ("seeds_by_variant = { pad = 0 }", "every count must be at least 1"),
+        ("seeds_by_variant = { pad = 20000 }", "every count must be at least 1 and at most 10000"),
+        ("seeds = 99999999999999999999", "seeds=99999999999999999999: must be at most 10000"),
         ("margin_band = nan", "margin_band=nan: must be a finite number"),
     ):
         config.write_text(f"[ablate]\n{table}\n")
@@ -101,6 +103,8 @@ def test_bad_study_settings_are_one_clear_error(tmp_path):
             plan.parse_args([str(config)])
     with pytest.raises(ConfigError, match="seeds='x': expected int"):
         plan.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--seeds=x"])
+    with pytest.raises(ConfigError, match="seeds=99999999999999999999: must be at most 10000"):
+        plan.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--seeds=99999999999999999999"])
     with pytest.raises(ConfigError, match="unknown config key 'n_layers'"):
         plan.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--n_layers=3"])
 
