@@ -193,7 +193,11 @@ def default_workers(base: Config, study: Study) -> int:
     """One a CPU core for one-thread runs on the CPU, else one."""
     if study.threads != 1 or resolve_device(base.device).type != "cpu":
         return 1
-    return max(1, min(os.cpu_count() or 1, sum(len(s) for s in seeds_of_cells(study).values())))
+    return max(1, min(os.cpu_count() or 1, run_count(study)))
+
+
+def run_count(study: Study) -> int:
+    return sum(len(seeds) for seeds in seeds_of_cells(study).values())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -397,6 +401,8 @@ def worker_count(given: list[str], base: Config, study: Study) -> int:
         raise ConfigError(
             f"workers={count}: give at least 1, and more than 1 only with threads=1 (each run one thread)"
         )
+    if count > (runs := run_count(study)):
+        raise ConfigError(f"workers={count}: the comparison has {runs} runs, so at most {runs} processes can train")
     return count
 
 

@@ -177,7 +177,7 @@ def test_a_failed_or_stopped_comparison_stops_its_background_workers(monkeypatch
     assert compare.train_runs("c.toml", [], ["python"], 2, tmp_path) == 0 and len(signals) == 2
 
 
-@pytest.mark.parametrize("workers", ["0", "two"])
+@pytest.mark.parametrize("workers", ["0", "two", "99999999999999999999"])
 def test_a_bad_worker_count_is_one_error_line(tiny_corpus, tmp_path, workers, capsys):
     argv = [
         f"--dataset={tiny_corpus}",
@@ -188,6 +188,7 @@ def test_a_bad_worker_count_is_one_error_line(tiny_corpus, tmp_path, workers, ca
     assert compare.main([*argv, *(f"--{k}={v}" for k, v in TINY.items())]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "workers" in err and err.count("\n") == 1
+    assert not list(tmp_path.glob("c/worker*.log"))  # refused before any process starts
 
 
 def test_a_bad_setting_is_one_error_line(capsys):
