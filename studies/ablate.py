@@ -122,12 +122,16 @@ def flat(settings: dict, prefix: str = "") -> dict:
 
 
 def check_reusable(out: Path, decided: dict) -> None:
-    """Refuse a run folder that a study with other deciding settings started or finished."""
+    """Refuse a run folder that a study with other deciding settings started or finished, or whose files are
+    not what this code writes (a finished run's result is read back into the report as it is)."""
     for path in (out / "result.json", out / "study_run.json"):
         if not path.exists():
             continue
         try:
-            recorded = json.loads(path.read_text())["decided_by"]
+            saved = json.loads(path.read_text())
+            recorded = saved["decided_by"]
+            if path.name == "result.json" and not is_finished_result(saved["result"]):
+                raise ValueError
         except (ValueError, KeyError, TypeError):
             raise ConfigError(f"{path} is damaged: delete {out} to run it again") from None
         if recorded != decided:
@@ -137,6 +141,22 @@ def check_reusable(out: Path, decided: dict) -> None:
                 f"{out} was run with other settings than this study's ({changed}): give the study another "
                 f"out_dir, or delete {out} to run it again"
             )
+
+
+def is_finished_result(result) -> bool:
+    """What train_and_probe writes: the run's measures finite numbers, its sums by position lists of them."""
+
+    def number(value) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) and np.isfinite(value)
+
+    return (
+        isinstance(result, dict)
+        and all(number(result.get(k)) for k in ("val_loss", "val_doc_loss", "wall_seconds", "useful_tokens_per_sec"))
+        and all(
+            isinstance(result.get(k), list) and all(map(number, result[k]))
+            for k in ("val_doc_loss_sum_by_position", "val_doc_count_by_position")
+        )
+    )
 
 
 def check_data(out: Path, shard_path: Path) -> str:

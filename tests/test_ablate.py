@@ -443,6 +443,31 @@ def test_a_run_folder_of_other_settings_is_refused(tmp_path):
         ablate.check_reusable(run, decided)
 
 
+def test_a_finished_run_whose_result_a_report_cannot_read_is_damaged(tmp_path):
+    kept = next((ROOT / "results").glob("*/runs/*/*/*/seed*/result.json"))  # a run this code's study wrote
+    result = json.loads(kept.read_text())["result"]
+    decided = {"config": {"max_iters": 150}, "probes": {}}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "result.json").write_text(json.dumps({"result": result, "decided_by": decided}))
+    ablate.check_reusable(run, decided)
+    for damage in (
+        lambda r: None,
+        lambda r: {},
+        lambda r: {**r, "val_doc_loss": "x"},
+        lambda r: {**r, "val_doc_loss": None},
+        lambda r: {**r, "wall_seconds": float("nan")},
+        lambda r: {**r, "val_doc_count_by_position": [1, None]},
+        lambda r: {k: v for k, v in r.items() if k != "useful_tokens_per_sec"},
+    ):
+        (run / "result.json").write_text(json.dumps({"result": damage(result), "decided_by": decided}))
+        with pytest.raises(ConfigError, match=f"{re.escape(str(run / 'result.json'))} is damaged: delete"):
+            ablate.check_reusable(run, decided)
+    (run / "result.json").write_text(json.dumps({"decided_by": decided}))
+    with pytest.raises(ConfigError, match="is damaged"):
+        ablate.check_reusable(run, decided)
+
+
 @pytest.mark.slow
 def test_tiny_study_writes_the_report_and_skips_finished_runs(tiny_corpus, tmp_path):
     config = write_tiny_study_config(tiny_corpus, tmp_path)
