@@ -118,8 +118,9 @@ def saved_settings(out_dir: Path) -> dict:
     return {k: v for k, v in saved.items() if k in fields and k not in ("resume", "overwrite", "out_dir")}
 
 
-def read_config_file(path: Path) -> dict:
-    hint = f" (to train on a corpus, give it as --dataset={path})"
+def read_config_file(path: Path, corpus_hint: bool = True) -> dict:
+    """A TOML file's values; `corpus_hint`: say how to train on a corpus given where a config belongs."""
+    hint = f" (to train on a corpus, give it as --dataset={path})" if corpus_hint else ""
     if path.is_dir():
         raise ConfigError(f"{path} is a folder, not a config file{hint}")
     if path.suffix != ".toml" and path.exists():  # a corpus there could even read as an empty config

@@ -95,7 +95,7 @@ class Registration:
 
 def read_registration(path: Path) -> Registration:
     """The registration, each field checked, with one line naming what is wrong."""
-    values = read_config_file(path)
+    values = read_config_file(path, corpus_hint=False)
     try:
         tests = {kind: [Test(**t) for t in values.pop(kind, [])] for kind in ("primary", "equivalence")}
         registration = Registration(**values, **tests)
@@ -673,6 +673,8 @@ def main(argv: list[str]) -> int:
     options = dict(a.removeprefix("--").split("=", 1) if "=" in a else (a.removeprefix("--"), "") for a in argv[1:])
     overrides = tuple(a for a in argv[1:] if a.removeprefix("--").split("=")[0] not in OPTIONS)
     try:
+        if argv[0].startswith("--"):
+            raise ConfigError(f"give the registration first: python -m studies.confirm REGISTRATION.toml {argv[0]}")
         if overrides and "run" not in options:
             unknown = ", ".join(a.removeprefix("--") for a in overrides)
             raise ConfigError(f"unknown option(s) {unknown}: see python -m studies.confirm --help")

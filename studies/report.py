@@ -745,6 +745,8 @@ def load_saved(path: Path, config: str | None) -> dict:
     """A study's results.json, with its training settings (from `config` for a study that did not record
     them, checked against the [ablate] table it recorded)."""
     saved = json.loads(path.read_text())
+    if not isinstance(saved, dict) or "runs" not in saved:
+        raise ConfigError(f"{path} is not a study's results.json: it holds no runs")
     missing = [k for k in ("study", "runs", "probe_offsets", "environment") if k not in saved]
     if missing:
         raise ConfigError(f"{path} has no {', '.join(missing)}: it was written before reports could be rebuilt")

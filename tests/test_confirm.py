@@ -412,6 +412,13 @@ def test_unknown_options_and_missing_results_are_one_line_errors(tmp_path, capsy
     path.write_text(registration_text(1))
     assert confirm.main([str(path), "--plna"]) == 1
     assert "unknown option(s) plna" in capsys.readouterr().err
+    assert confirm.main(["--plan", str(path)]) == 1
+    assert (
+        capsys.readouterr().err
+        == "error: give the registration first: python -m studies.confirm REGISTRATION.toml --plan\n"
+    )
+    assert confirm.main([str(tmp_path), "--plan"]) == 1
+    assert capsys.readouterr().err == f"error: {tmp_path} is a folder, not a config file\n"
     assert confirm.main([str(path), f"--studies_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}"]) == 1
     error = capsys.readouterr().err
     assert "confirm_rung3/results.json not found" in error and not (tmp_path / "out").exists()

@@ -56,6 +56,14 @@ def test_a_report_from_before_rebuilds_is_refused(name, tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("text", ["[]", '"x"', "{}", '{"study": {}}'])
+def test_json_that_is_no_study_is_said_to_be_none(text, tmp_path, capsys):
+    path = tmp_path / "results.json"
+    path.write_text(text)
+    assert report.main([str(path), f"--out_dir={tmp_path / 'out'}"]) == 1
+    assert capsys.readouterr().err == f"error: {path} is not a study's results.json: it holds no runs\n"
+
+
 def test_the_committed_ladder_is_what_todays_code_writes(tmp_path, monkeypatch, capsys):
     """From the committed rungs, the configs it names, in the order it has them."""
     monkeypatch.chdir(ROOT)
