@@ -218,7 +218,7 @@ def test_a_folder_whose_settings_no_run_takes_or_whose_token_ids_are_not_ids_is_
     torch.manual_seed(0)
     one_position = GPT(GPTConfig(vocab_size=320, seq_len=1, n_layer=2, n_head=2, n_embd=32))  # shapes agree
     cases = {
-        write_folder(tmp_path / "one", one_position, {"a": 0}): "its config.json makes seq_len=1, which is below 2",
+        write_folder(tmp_path / "one", one_position, {"a": 0}): "config.json makes seq_len=1, which is outside [2,",
         write_folder(tmp_path / "ids", tiny_model(), {"a": True}): "token ids that are not whole numbers, 0 or more",
         write_folder(tmp_path / "negative", tiny_model(), {"a": -1}): "token ids that are not whole numbers",
     }
