@@ -39,7 +39,7 @@ from cli import Progress, help_text, parse_config, run_main
 from config import DATA_SETTINGS, Config, prepared_settings
 from corpora import Source, describe_changes, file_kind, fingerprint, label, read_documents, resolve_dataset
 from errors import ConfigError, DataError, interrupted_exit_code
-from run.folder import check_writable_folder, exclusive_lock
+from run.folder import check_writable_folder, exclusive_lock, lock_failure
 from shards import (
     EOT_TEXT,
     SHARD_FORMAT_VERSION,
@@ -176,7 +176,7 @@ def prepare(
         try:
             held.enter_context(exclusive_lock(lock, on_busy))
         except OSError as e:
-            raise DataError(f"{lock} cannot serve as the preparation's lock ({e.strerror or e}): remove it") from None
+            raise DataError(lock_failure(lock, "preparation", e)) from None
         if found := _prepared_already(out, settings):  # prepared by the process we waited for
             return found
         _report_stale(Path(data_dir), source, settings, inputs, log)

@@ -4,6 +4,7 @@ metrics log. Imports nothing from the repo but its exceptions."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -36,6 +37,13 @@ def exclusive_lock(path: Path, on_busy: Callable[[str], None] | None = None) -> 
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def lock_failure(lock: Path, holder: str, e: OSError) -> str:
+    """Why `lock` cannot be taken, and what to do: a full disk is no fault of the lock file's."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no room for {lock} ({e.strerror}): free some space"
+    return f"{lock} cannot serve as the {holder}'s lock ({e.strerror or e}): remove it (nothing holds it)"
 
 
 def lock_holder(fd: int) -> str:
@@ -133,9 +141,7 @@ def hold(out_dir: Path, resume: bool, overwrite: bool) -> Iterator[None]:
                 f"{out_dir} is in use by another run ({e.args[0]}); wait for it or pick another out_dir"
             ) from None
         except OSError as e:
-            raise ConfigError(
-                f"{out_dir / '.lock'} cannot serve as the run's lock ({e.strerror}): remove it (no run holds it)"
-            ) from None
+            raise ConfigError(lock_failure(out_dir / ".lock", "run", e)) from None
         if (out_dir / "ckpt.pt").exists() and not resume and not overwrite:
             raise ConfigError(
                 f"{out_dir} holds a run (ckpt.pt): continue it with --resume=true, pick another out_dir, "

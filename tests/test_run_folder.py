@@ -435,3 +435,20 @@ def test_a_full_disk_does_not_cost_a_run_its_lock(tmp_path, monkeypatch):
         with pytest.raises(BlockingIOError):
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.close(other)
+
+
+def test_a_lock_that_a_full_disk_refuses_says_so_and_does_not_blame_the_file(tmp_path):
+    import errno
+    import os
+
+    from run.folder import lock_failure
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert (
+        lock_failure(tmp_path / ".lock", "run", full)
+        == f"no room for {tmp_path / '.lock'} (No space left on device): free some space"
+    )
+    directory = OSError(errno.EISDIR, os.strerror(errno.EISDIR))
+    assert lock_failure(tmp_path / ".lock", "run", directory).endswith(
+        "cannot serve as the run's lock (Is a directory): remove it (nothing holds it)"
+    )
