@@ -90,7 +90,7 @@ def _resolve(cfg: Config, rank: int, world_size: int, device: torch.device) -> P
         resumed = read_checkpoint(path)
         check_resumable(path, resumed, cfg, world_size)
     guessed_vocab = (cfg.tokenizer_vocab_size if cfg.tokenizer == "bpe" else 256) + cfg.bos
-    check_fits(model_settings(cfg, guessed_vocab), cfg, device)  # before a long preparation
+    check_fits(model_settings(cfg, guessed_vocab), cfg.batch_size, device, cfg.grad_accum)  # before preparing
     if resumed is not None:  # a resumed run trains on the shards it started on, or not at all
         shard_path, prepared = shards.load_trained_on(path, resumed)
     else:
@@ -105,7 +105,7 @@ def _resolve(cfg: Config, rank: int, world_size: int, device: torch.device) -> P
         model = dataclasses.replace(model, vocab_size=resumed["model_config"]["vocab_size"])
     elif start is not None:
         model = dataclasses.replace(model, vocab_size=start.vocab_size(tokenizer))  # refuses another tokenizer
-    check_fits(model, cfg, device)
+    check_fits(model, cfg.batch_size, device, cfg.grad_accum)
     return Plan(cfg, model, rank, world_size, device, shard_path, prepared, tokenizer, bos_id, resumed, start)
 
 
@@ -169,22 +169,21 @@ def parameter_count(config: GPTConfig) -> int:
         return GPT(config).num_params()
 
 
-def check_fits(config: GPTConfig, cfg: Config, device: torch.device) -> None:
+def check_fits(config: GPTConfig, batch_size: int, device: torch.device, grad_accum: int = 1) -> None:
     """Refuse a model that cannot fit: weights, gradients and AdamW state (16 bytes a parameter), one fp32 copy
     of the logits, and a step's micro-batches (five int64 tensors each, all built before the step) are a lower
     bound on what training needs."""
-    params, batch_size = parameter_count(config), cfg.batch_size
+    params = parameter_count(config)
     need = 16 * params + 4 * batch_size * config.seq_len * config.vocab_size
-    need += 5 * 8 * cfg.grad_accum * batch_size * config.seq_len
+    need += 5 * 8 * grad_accum * batch_size * config.seq_len
     if device.type == "cuda":
         have = torch.cuda.get_device_properties(device).total_memory
     else:
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
         raise ConfigError(
-            f"the model ({params / 1e6:,.1f}M parameters, {cfg.grad_accum} x {batch_size} x {config.seq_len} tokens "
-            "a step) "
-            f"needs about {need / 1e9:,.1f} GB to train on {device.type}, and this machine has {have / 1e9:,.1f} GB"
+            f"the model ({params / 1e6:,.1f}M parameters, {grad_accum} x {batch_size} x {config.seq_len} tokens a "
+            f"step) needs about {need / 1e9:,.1f} GB to train on {device.type}; this machine has {have / 1e9:,.1f} GB"
         )
 
 

@@ -183,9 +183,9 @@ def test_a_step_whose_micro_batches_cannot_fit_is_refused():
     settings = ["--batch_size=1024", "--seq_len=256", "--n_layer=1", "--n_embd=16", "--n_head=2"]
     cfg = parse_config([*settings, "--grad_accum=65536"])  # 687 GB of token ids, built before the step
     with pytest.raises(ConfigError, match=r"65536 x 1024 x 256 tokens a step\) needs about 687\.5 GB"):
-        check_fits(model_settings(cfg, 300), cfg, torch.device("cpu"))
+        check_fits(model_settings(cfg, 300), cfg.batch_size, torch.device("cpu"), cfg.grad_accum)
     fitting = parse_config([*settings, "--grad_accum=1"])
-    check_fits(model_settings(fitting, 300), fitting, torch.device("cpu"))
+    check_fits(model_settings(fitting, 300), fitting.batch_size, torch.device("cpu"), fitting.grad_accum)
 
 
 @pytest.mark.parametrize(
