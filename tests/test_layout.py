@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT
 
 TEACHING_PATH, TEACHING_BUDGET = ("train", "model", "data"), 1050  # lines, all three together
-GUARANTEES_BUDGET = 575  # lines of the run/ package
+GUARANTEES_BUDGET = 580  # lines of the run/ package
 TRAINING_SIDE = ("train", "resolve", "model", "data", "shards", "config", "cli", "errors", "reports")  # and run/
 CORE = (*TRAINING_SIDE, "corpora", "prepare", "sample", "export_hf", "huggingface")
 
