@@ -259,6 +259,7 @@ def plan_rows(registration: Registration) -> list[list]:
         else:
             power_at = functools.partial(stats.paired_power, sd=sd, n=n, alpha=level)
             count, needed = str(n), stats.seeds_for_power(test.plan_effect, sd, level, registration.power)
+            needed = "over 200" if needed is None else needed  # seeds_for_power looks no further
         smallest = stats.smallest_detectable(power_at, registration.power, sd)
         rows.append([test.name, count, f"{test.plan_effect:g}", f"{sd:.4f}", source, needed])
         rows[-1] += [f"{power_at(test.plan_effect):.3f}", f"{smallest:.3f}"]

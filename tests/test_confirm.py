@@ -639,3 +639,11 @@ def test_the_gpu_registration_trains_and_decides_end_to_end_at_a_tiny_size_on_th
             kept = {k: v for k, v in config.items() if k not in overridden}
             assert kept and {k: recorded[k] for k in kept} == kept
             assert recorded["compile"] and "val_doc_loss_in_context" in saved["result"]
+
+
+def test_a_test_that_no_seed_count_up_to_200_powers_says_so_in_the_plan():
+    registration = confirm.read_registration(ROOT / "configs/confirm.toml")
+    assert confirm.plan_rows(registration)[0][5] == 38  # as results/decided/confirm/README.md's power table has it
+    unreachable = dataclasses.replace(registration.primary[0], plan_effect=0.0)
+    rows = confirm.plan_rows(dataclasses.replace(registration, primary=[unreachable, *registration.primary[1:]]))
+    assert rows[0][5] == "over 200"
