@@ -687,7 +687,8 @@ def main(argv: list[str]) -> int:
         out = Path(options.get("out_dir") or "out/confirm")
         if "run" in options:
             check_writable_folder(out, "out_dir")  # before hours of training, not after
-            run_studies(registration, overrides)
+            if failed := run_studies(registration, overrides):
+                return failed
         read = {name: read_study(config, studies_dir, overrides) for name, config in registration.studies.items()}
         decided = decide(registration, read)
         text = report(registration, decided)
@@ -701,15 +702,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def run_studies(registration: Registration, overrides: tuple[str, ...]) -> None:
+def run_studies(registration: Registration, overrides: tuple[str, ...]) -> int:
     """Every study of the registration in turn, each as its own `python -m studies.ablate CONFIG [overrides]`
     (a process of its own: compiled graphs do not pile up past dynamo's limit across studies). Finished runs
-    are kept, so the same command continues a stopped registration."""
+    are kept, so the same command continues a stopped registration. Returns the first failed study's exit
+    code (0 if none failed): its one-line error, under its `===== study` heading, is the whole message."""
     for name, config in registration.studies.items():
         command = [sys.executable, "-m", "studies.ablate", config, *overrides]
         print(f"\n===== study {name}: {' '.join(command[1:])}", flush=True)
-        if subprocess.run(command).returncode != 0:
-            raise ConfigError(f"study {name} ({config}) did not finish: its error is above")
+        if returncode := subprocess.run(command).returncode:
+            return returncode if returncode > 0 else 128 - returncode  # killed by signal N: the shell's 128 + N
+    return 0
 
 
 if __name__ == "__main__":

@@ -641,6 +641,15 @@ def test_the_gpu_registration_trains_and_decides_end_to_end_at_a_tiny_size_on_th
             assert recorded["compile"] and "val_doc_loss_in_context" in saved["result"]
 
 
+def test_a_study_that_fails_under_run_is_its_own_one_line_error_and_exit_code(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "studies.confirm", "configs/practitioner_gpu.toml", "--run", f"--out_dir={tmp_path}",
+         "--n_layer=0"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (done.returncode, done.stderr) == (1, "error: n_layer=0: must be at least 1\n")
+    assert "===== study gpu_13m" in done.stdout and not (tmp_path / "confirm.json").exists()
+
+
 def test_a_test_that_no_seed_count_up_to_200_powers_says_so_in_the_plan():
     registration = confirm.read_registration(ROOT / "configs/confirm.toml")
     assert confirm.plan_rows(registration)[0][5] == 38  # as results/decided/confirm/README.md's power table has it
