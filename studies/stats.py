@@ -121,10 +121,15 @@ def paired_effect(values: list[float], reference: list[float] | None = None) -> 
 
 def holm(p_values: dict) -> dict:
     """Holm's step-down adjusted p-values (family-wise error control, any dependence): the i-th smallest
-    of m is multiplied by m - i + 1, then made non-decreasing and capped at 1."""
-    ordered = sorted(p_values, key=p_values.get)
+    of m is multiplied by m - i + 1, then made non-decreasing and capped at 1. A NaN p (a test that could not
+    be computed) counts as one of the m, ranks last and stays NaN: it rejects nothing, and costs the others no
+    more than a p of 1 would."""
+    ordered = sorted(p_values, key=lambda key: (math.isnan(p_values[key]), p_values[key]))
     adjusted, running = {}, 0.0
     for i, key in enumerate(ordered):
+        if math.isnan(p_values[key]):
+            adjusted[key] = math.nan
+            continue
         running = max(running, min(1.0, (len(ordered) - i) * p_values[key]))
         adjusted[key] = running
     return adjusted

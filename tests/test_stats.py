@@ -82,6 +82,14 @@ def test_holm_adjusts_step_down_and_keeps_the_order():
     assert stats.holm({"x": 0.6, "y": 0.7}) == pytest.approx({"x": 1.0, "y": 1.0})  # capped at 1
 
 
+def test_a_nan_p_in_holms_family_ranks_last_and_stays_nan_wherever_it_stands():
+    for order in (["nan", "a", "c"], ["a", "nan", "c"], ["a", "c", "nan"]):
+        given = {"a": 0.001, "c": 0.02, "nan": math.nan}
+        adjusted = stats.holm({key: given[key] for key in order})
+        assert adjusted["a"] == pytest.approx(0.003) and adjusted["c"] == pytest.approx(0.04)  # m = 3, as with p = 1
+        assert math.isnan(adjusted["nan"])
+
+
 def test_verdicts():
     up, down = stats.Effect(0.2, 0.01, 5), stats.Effect(-0.2, 0.01, 5)
     assert stats.primary_verdict(up, 0.001, 1.0) == "hurts"
