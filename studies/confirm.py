@@ -20,9 +20,11 @@ study's own report:
   invariance   a cell theory predicts equal to its reference, against a rerun of the reference at another
                thread count: "within rounding" when every difference is at most `invariance_factor` times
                what the rerun moved.
-Beside every effect: the whole-document loss from the second token, in nats and in percent of the
-reference's loss, and a bootstrap over the validation documents of that whole-document effect (the seeds
-held fixed: how much the choice of documents moves it).
+Beside every effect: the whole-document loss from the second token (every target of the validation
+documents pooled: a mean over tokens), scored alone, or in context where the test's endpoint is, in nats and
+in percent of the reference's loss, and a bootstrap over the validation documents of that whole-document
+effect (the seeds held fixed: how much the choice of documents moves it). A study missing a seed its config
+runs is refused, not decided without it.
 
 With --plan it reads no results: for each test, the seeds each cell runs (from the studies' configs), the
 planned effect and spread (the registration's, or the pilot's spread bounded above), the power, the smallest
@@ -332,9 +334,10 @@ class Cell:
 
     values: dict[int, dict]  # seed -> endpoint -> value
     reference: dict[int, dict]
-    documents: dict[int, np.ndarray]  # seed -> (2, documents): from-second loss sums, counts
+    documents: dict[int, np.ndarray]  # seed -> (2, documents): loss sums from the second token, counts
     reference_documents: dict[int, np.ndarray]
     where: str = "the cell"  # the study's folder and the cell, for an error
+    scoring: str = "from_second"  # the documents' scoring, and the whole-document endpoint beside every test
 
     def measures(self, endpoint: str) -> bool:
         """Whether every run of the cell and its reference has the endpoint (a band that holds no scored target,
@@ -353,27 +356,47 @@ class Cell:
         return float(np.mean([self.reference[s][endpoint] for s in sorted(self.values)]))
 
 
-def from_second_by_document(result: dict) -> np.ndarray:
+def whole_document_scoring(endpoint: str) -> str:
+    """The whole-document endpoint shown beside a test, and bootstrapped over documents: its own where the test
+    scores whole documents in context, the documents scored alone otherwise."""
+    return "in_context" if endpoint == "in_context" else "from_second"
+
+
+def by_document(result: dict, scoring: str = "from_second") -> np.ndarray:
     """Each validation document's loss sum and count from its second token (the targets with and without the
-    start marker share)."""
+    start marker share), scored alone or (scoring "in_context") after the documents before it in its row."""
     sums = np.asarray(result["val_doc_loss_sum_by_document"], dtype=float)
     counts = np.asarray(result["val_doc_count_by_document"], dtype=float)
     if "val_doc_first_token_loss_by_document" in result:  # under the marker, the first token is predicted from it
         sums, counts = sums - np.asarray(result["val_doc_first_token_loss_by_document"]), counts - 1
+    if scoring == "in_context":  # the same targets, so the same counts
+        sums = np.asarray(result["val_doc_loss_in_context_sum_by_document"], dtype=float)
     return np.stack([sums, counts])
 
 
-def cell(study_runs: tuple[Study, dict, list[int]], pos: str, variant: str) -> Cell:
+def cell(study_runs: tuple[Study, dict, list[int]], pos: str, variant: str, scoring: str = "from_second") -> Cell:
+    """The cell's runs and its reference's, for every seed its study's config runs: a missing one is refused
+    (a study still running, or a results.json cut short), never decided without."""
     study, runs, offsets = study_runs
     if variant not in runs.get(pos, {}):
         raise ConfigError(f"{study.out_dir} has no {pos}/{variant} runs")
     mine, reference = runs[pos][variant], runs[pos]["reference"]
+    seeds = seeds_of_cells(study).get((pos, variant), sorted(mine))
+    for arm, by_seed in ((variant, mine), ("reference", reference)):
+        if missing := [s for s in seeds if s not in by_seed]:
+            raise ConfigError(
+                f"{study.out_dir}: {pos}/{arm} has no run of seed(s) {', '.join(map(str, missing))} of the "
+                f"{len(seeds)} its study runs: finish the study (python -m studies.ablate with its config)"
+            )
+    if scoring == "in_context" and not all("val_doc_loss_in_context_sum_by_document" in r for r in mine.values()):
+        raise ConfigError(f"{study.out_dir}: {pos}/{variant}'s runs were not scored in context")
     return Cell(
-        {s: endpoints(r, study, offsets) for s, r in mine.items()},
-        {s: endpoints(reference[s], study, offsets) for s in mine},
-        {s: from_second_by_document(r) for s, r in mine.items()},
-        {s: from_second_by_document(reference[s]) for s in mine},
+        {s: endpoints(mine[s], study, offsets) for s in seeds},
+        {s: endpoints(reference[s], study, offsets) for s in seeds},
+        {s: by_document(mine[s], scoring) for s in seeds},
+        {s: by_document(reference[s], scoring) for s in seeds},
         f"{study.out_dir}: {pos}/{variant}",
+        scoring,
     )
 
 
@@ -411,7 +434,7 @@ def paired_test(one: Cell, test: Test, resamples: int) -> dict:
     """A cell against its reference, seed by seed: the effect, its interval and p, the rank test's p and the
     smallest p its seeds allow, and the whole-document effect beside it."""
     effect = stats.paired_effect(one.effects(test.endpoint))
-    whole = stats.paired_effect(one.effects("from_second"))
+    whole = stats.paired_effect(one.effects(one.scoring))
     n = len(one.values)
     return {
         "seeds": n,
@@ -425,39 +448,48 @@ def paired_test(one: Cell, test: Test, resamples: int) -> dict:
         "smallest_p_rank": stats.smallest_signed_rank_p(n),
         "whole": whole.estimate,
         "whole_ci95": list(whole.interval(0.95)),
-        "whole_percent": percent(whole.estimate, one.reference_mean("from_second")),
+        "whole_percent": percent(whole.estimate, one.reference_mean(one.scoring)),
         "whole_bootstrap95": bootstrap_interval([one], [1.0], resamples),
     }
+
+
+def welch_growth(before: list[float], after: list[float]) -> tuple[float, list[float], float]:
+    """The mean per-seed effect's change from `before` to `after`, its 95% interval and Welch's p."""
+    growth, se, p = stats.welch_p(before, after)
+    df = stats.welch_df(np.var(before, ddof=1), len(before), np.var(after, ddof=1), len(after))
+    half = stats.t_quantile(0.975, df) * se
+    return growth, [growth - half, growth + half], p
+
+
+def size_change(before: float, growth: float) -> tuple[str, float]:
+    """A growth test's effect read by its size (its distance from 0), and that size's change in % of the earlier
+    one: an effect of -0.05 that moves to -0.01 shrinks by 80%, though the difference is +0.04."""
+    after = before + growth
+    words = "reverses" if before * after < 0 else ("grows" if abs(after) > abs(before) else "shrinks")
+    return words, percent(abs(after) - abs(before), abs(before))
 
 
 def growth_test(before: Cell, after: Cell, test: Test, resamples: int) -> dict:
     """How much a cell's effect grows from one study to another: Welch's test of the per-seed effects (the
     studies' seeds differ, so nothing pairs them), and the rank-sum test beside it."""
-    early_before, early_after = before.effects(test.endpoint), after.effects(test.endpoint)
-    growth, se, p = stats.welch_p(early_before, early_after)
-    df = stats.welch_df(np.var(early_before, ddof=1), len(early_before), np.var(early_after, ddof=1), len(early_after))
-    half = stats.t_quantile(0.975, df) * se
-    whole_growth, whole_se, _ = stats.welch_p(before.effects("from_second"), after.effects("from_second"))
-    whole_df = stats.welch_df(
-        np.var(before.effects("from_second"), ddof=1),
-        len(before.values),
-        np.var(after.effects("from_second"), ddof=1),
-        len(after.values),
-    )
-    whole_half = stats.t_quantile(0.975, whole_df) * whole_se
-    effect_before = float(np.mean(early_before))
+    effects_before, effects_after = before.effects(test.endpoint), after.effects(test.endpoint)
+    growth, interval, p = welch_growth(effects_before, effects_after)
+    whole_before = before.effects(before.scoring)
+    whole_growth, whole_interval, _ = welch_growth(whole_before, after.effects(after.scoring))
+    effect_before = float(np.mean(effects_before))
     return {
-        "seeds": f"{len(early_before)} + {len(early_after)}",
+        "seeds": f"{len(effects_before)} + {len(effects_after)}",
         "reference": effect_before,  # what it grows from: the earlier study's effect
         "estimate": growth,
-        "ci95": [growth - half, growth + half],
-        "percent": percent(growth, abs(effect_before)),
+        "ci95": interval,
+        "size_change": size_change(effect_before, growth)[0],
+        "percent": size_change(effect_before, growth)[1],
         "p": p,
-        "p_rank": stats.rank_sum_p(early_before, early_after),
-        "smallest_p_rank": stats.smallest_rank_sum_p(len(early_before), len(early_after)),
+        "p_rank": stats.rank_sum_p(effects_before, effects_after),
+        "smallest_p_rank": stats.smallest_rank_sum_p(len(effects_before), len(effects_after)),
         "whole": whole_growth,
-        "whole_ci95": [whole_growth - whole_half, whole_growth + whole_half],
-        "whole_percent": percent(whole_growth, abs(float(np.mean(before.effects("from_second"))))),
+        "whole_ci95": whole_interval,
+        "whole_percent": size_change(float(np.mean(whole_before)), whole_growth)[1],
         "whole_bootstrap95": bootstrap_interval([after, before], [1.0, -1.0], resamples),
     }
 
@@ -470,9 +502,11 @@ def decide_family(results: dict[str, dict], alpha: float, growth: set[str]) -> N
     adjusted_rank = stats.holm({name: r["p_rank"] for name, r in results.items()})
     best_case = stats.holm({name: r["smallest_p_rank"] for name, r in results.items()})
     for name, r in results.items():
-        r["p_holm"], r["p_rank_holm"] = adjusted[name], adjusted_rank[name]
-        words = ("grows", "shrinks") if name in growth else ("hurts", "helps")
-        r["verdict"] = (words[0] if r["estimate"] > 0 else words[1]) if adjusted[name] < alpha else "unresolved"
+        r["p_holm"], r["p_rank_holm"], r["best_p_rank_holm"] = adjusted[name], adjusted_rank[name], best_case[name]
+        decided = r["size_change"] if name in growth else ("hurts" if r["estimate"] > 0 else "helps")
+        r["verdict"] = decided if adjusted[name] < alpha else "unresolved"
+        if math.isnan(adjusted[name]):
+            r["verdict"] = "not decided: a value is not a number (a diverged run?)"
         r["rank_reachable"] = best_case[name] < alpha
         r["robust"] = bool(adjusted_rank[name] < alpha) if r["rank_reachable"] else None
 
@@ -518,9 +552,10 @@ def decide(registration: Registration, read: dict) -> dict:
     check_one_machine(read, registration.same_machine)
     primary = {}
     for test in registration.primary:
-        after = cell(read[test.study], test.pos, test.variant)
+        scoring = whole_document_scoring(test.endpoint)
+        after = cell(read[test.study], test.pos, test.variant, scoring)
         if test.growth_from:
-            before = cell(read[test.growth_from], test.pos, test.variant)
+            before = cell(read[test.growth_from], test.pos, test.variant, scoring)
             primary[test.name] = growth_test(before, after, test, registration.bootstrap_resamples)
         else:
             primary[test.name] = paired_test(after, test, registration.bootstrap_resamples)
@@ -545,11 +580,18 @@ def decide(registration: Registration, read: dict) -> dict:
 
 
 def rounding(registration: Registration, read: dict) -> dict:
-    """How far the rerun moved the study's reference runs, per position kind, seed and endpoint."""
+    """How far the rerun moved the study's reference runs, per position kind, seed and endpoint. A rerun on
+    another machine than its first run is refused: it would add that machine's rounding to what it measures."""
     study, rerun = (read[registration.rounding[k]] for k in ("study", "rerun"))
     moved = {}
     for pos in rerun[1]:
         for seed, result in rerun[1][pos]["reference"].items():
+            machines = {run.get("trained_on", "unknown") for run in (study[1][pos]["reference"][seed], result)}
+            if len(machines) > 1:
+                raise ConfigError(
+                    f"{registration.rounding['rerun']}: {pos}/reference/seed{seed} was trained on another machine "
+                    f"than its first run ({' and '.join(sorted(machines))}); rerun it on the first one's"
+                )
             first = endpoints(study[1][pos]["reference"][seed], study[0], study[2])
             again = endpoints(result, rerun[0], rerun[2])
             moved[f"{pos}/seed{seed}"] = {
@@ -597,10 +639,10 @@ def signed(value: float, interval: list[float]) -> str:
 def primary_rows(decided: dict, alpha: float) -> list[list]:
     rows = []
     for name, r in decided["primary"].items():
-        if r["robust"] is None:
-            rank = f"cannot pass (smallest p {r['smallest_p_rank']:.2g})"
+        if r["robust"] is None:  # the best case: every test of the family at the smallest p its seeds allow
+            rank = f"cannot pass (at best {r['best_p_rank_holm']:.2g})"
         else:
-            rank = f"{r['p_rank_holm']:.2g}" + ("" if r["robust"] else " (not robust)")
+            rank = f"{r['p_rank_holm']:.2g}" + ("" if r["robust"] or r["verdict"] == "unresolved" else " (not robust)")
         rows.append(
             [name, r["seeds"], f"**{r['verdict']}**", f"{signed(r['estimate'], r['ci95'])}", f"{r['percent']:+.1f}%"]
             + [f"{r['p_holm']:.2g}", rank, f"{signed(r['whole'], r['whole_ci95'])} ({r['whole_percent']:+.1f}%)"]
@@ -644,7 +686,9 @@ def report(registration: Registration, decided: dict) -> str:
         f"Primary family: Holm over {len(registration.primary)} difference tests at family-wise alpha "
         f"{registration.alpha}. Effects are the variant's loss minus the reference's (positive: switching "
         "the fix off raises the loss, so the fix helps, and the verdict says the variant hurts); growth is the "
-        "later study's effect minus the earlier one's (positive: grows), in % of the earlier one.",
+        "later study's effect minus the earlier one's, its verdict and % read by the effect's size: grows or "
+        "shrinks (further from 0 or closer to it, in % of the earlier size), or reverses (changes sign). A rank "
+        "test that cannot pass gives its best Holm p: every test of the family at the smallest p its seeds allow.",
         "",
         *markdown_table(header, primary_rows(decided, registration.alpha)),
         "",

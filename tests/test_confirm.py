@@ -126,6 +126,14 @@ def planted(cells: dict, seeds: range, rng) -> dict:
 
 
 STUDY = plan.Study(late_band=[256, 1024])
+SETTINGS = {  # what each planted study runs: the seeds of every cell its runs hold
+    "rung3": dataclasses.replace(STUDY, first_seed=400, seeds=8, invariance_seeds=1,
+                                 variants=["reference", "no_doc_mask", "no_reset_position_ids"]),
+    "rung2": dataclasses.replace(STUDY, first_seed=500, seeds=16, pos_embs=["learned"],
+                                 variants=["reference", "no_doc_mask", "no_bos"]),
+    "rounding": dataclasses.replace(STUDY, first_seed=400, seeds=1, invariance_seeds=1, pos_embs=["rope"],
+                                    variants=["reference", "no_reset_position_ids"]),
+}  # fmt: skip
 OFFSETS = [1, 64, 512]
 
 
@@ -152,7 +160,10 @@ def decided():
     ]
     rounding = {"rope": {"reference": {400: fake_result(4.0 + 5e-4, 4.0 + 1e-3, np.linspace(3.5, 4.5, 40) + 1e-3)}}}
     rounding["rope"]["no_reset_position_ids"] = {400: fake_result(4.0 - 5e-4, 4.0, np.linspace(3.5, 4.5, 40))}
-    read = {name: (STUDY, runs, OFFSETS) for name, runs in (("rung3", rung3), ("rung2", rung2), ("rounding", rounding))}
+    read = {
+        name: (SETTINGS[name], runs, OFFSETS)
+        for name, runs in (("rung3", rung3), ("rung2", rung2), ("rounding", rounding))
+    }
     tests = [
         confirm.Test("mask, learned", "rung3", "learned", "no_doc_mask", "early", 0.1),
         confirm.Test("mask, rope", "rung3", "rope", "no_doc_mask", "early", 0.1),
@@ -242,6 +253,51 @@ def test_a_rank_test_no_data_could_pass_is_marked_so():
     assert all(results[f"t{i}"]["robust"] is None for i in range(4))
 
 
+def test_the_report_gives_an_unpassable_rank_tests_best_holm_p_and_no_robustness_beside_unresolved():
+    results = {f"t{i}": {"p": 0.001, "p_rank": 0.01, "smallest_p_rank": 0.0078, "estimate": 1.0} for i in range(10)}
+    results["weak"] = {"p": 0.5, "p_rank": 0.5, "smallest_p_rank": 1e-5, "estimate": 1.0}
+    confirm.decide_family(results, 0.05, set())
+    for r in results.values():
+        r.update(seeds=8, ci95=[0, 1], percent=1.0, whole=0.0, whole_ci95=[0, 0], whole_percent=0.0)
+        r["whole_bootstrap95"] = [0, 0]
+    rows = {row[0]: row for row in confirm.primary_rows({"primary": results}, 0.05)}
+    assert rows["t0"][6] == "cannot pass (at best 0.078)"  # 10 x 0.0078: what Holm leaves the best case
+    assert results["weak"]["robust"] is False and rows["weak"][6] == "0.5"  # unresolved: nothing to be robust
+
+
+def test_a_nan_p_is_not_decided_and_leaves_the_others_their_verdicts():
+    results = {"nan": {"p": math.nan, "p_rank": math.nan, "smallest_p_rank": 1e-5, "estimate": math.nan}}
+    results |= {f"t{i}": {"p": 0.001, "p_rank": 1e-4, "smallest_p_rank": 1e-5, "estimate": 1.0} for i in range(6)}
+    confirm.decide_family(results, 0.05, set())
+    assert results["nan"]["verdict"].startswith("not decided: a value is not a number")
+    assert all(results[f"t{i}"]["verdict"] == "hurts" for i in range(6))  # 7 x 0.001, as with a p of 1 beside them
+
+
+def effect_cell(effects: list[float], first_seed: int) -> confirm.Cell:
+    """A cell whose per-seed effect (on every endpoint, and on each of 20 documents alike) is `effects`."""
+    documents = {s: np.stack([np.full(20, 4.0 * 49), np.full(20, 49.0)]) for s in range(len(effects))}
+    mine = {s: np.stack([np.full(20, (4.0 + e) * 49), np.full(20, 49.0)]) for s, e in enumerate(effects)}
+    values = {first_seed + s: {"early": 4.0 + e, "from_second": 4.0 + e} for s, e in enumerate(effects)}
+    reference = {first_seed + s: {"early": 4.0, "from_second": 4.0} for s in range(len(effects))}
+    return confirm.Cell(values, reference, mine, documents)
+
+
+@pytest.mark.parametrize(
+    "before, after, words, percent",
+    [
+        ([0.05, 0.04, 0.06], [0.10, 0.11, 0.09], "grows", 100.0),
+        ([-0.05, -0.04, -0.06], [-0.01, -0.02, 0.0], "shrinks", -80.0),  # a rising difference, a falling size
+        ([-0.02, -0.03, -0.01], [0.05, 0.04, 0.06], "reverses", 150.0),
+    ],
+)
+def test_a_growth_verdict_reads_the_effects_size_not_the_differences_sign(before, after, words, percent):
+    test = confirm.Test("trend", "after", "rope", "naive", "early", 0.03, growth_from="before")
+    results = {"trend": confirm.growth_test(effect_cell(before, 0), effect_cell(after, 10), test, 50)}
+    confirm.decide_family(results, 0.05, {"trend"})
+    assert results["trend"]["verdict"] == words and results["trend"]["p"] < 0.05
+    assert results["trend"]["percent"] == pytest.approx(percent) == results["trend"]["whole_percent"]
+
+
 def test_equivalence_is_tost_in_a_family_of_its_own(decided):
     registration, read, result = decided
     variant, reference = effects(read, "rung3", "learned", "no_reset_position_ids", "late")
@@ -281,7 +337,9 @@ def test_an_endpoint_the_runs_lack_is_one_line_and_the_invariance_reports_it_emp
     """Studies without a late band (or with one no validation document reaches): a test on it cannot be decided,
     and the invariance check reports it as not measured, beside the endpoints it has."""
     registration, read, before = decided
-    unbanded = {name: (plan.Study(), runs, offsets) for name, (_, runs, offsets) in read.items()}
+    unbanded = {
+        name: (dataclasses.replace(study, late_band=[]), runs, offsets) for name, (study, runs, offsets) in read.items()
+    }
     words = "learned/no_reset_position_ids: not every run and its reference has a late value"
     with pytest.raises(ConfigError, match=words):
         confirm.decide(registration, unbanded)  # its equivalence test is on the late band
@@ -566,7 +624,7 @@ def test_runs_from_another_machine_or_thread_count_are_refused_by_name(decided):
     for by_seed in (s for kinds in one["rung3"][1].values() for s in kinds.values()):
         by_seed.update({seed: dict(result, threads=1) for seed, result in by_seed.items()})
     one["rung3"][1]["learned"]["no_doc_mask"][401] = dict(moved, trained_on="unknown", threads=2)
-    one["rung3"] = (dataclasses.replace(STUDY, threads=1), *one["rung3"][1:])
+    one["rung3"] = (dataclasses.replace(SETTINGS["rung3"], threads=1), *one["rung3"][1:])
     with pytest.raises(ConfigError, match="^rung3: learned/no_doc_mask/seed401 ran on 2 threads, not the study's 1$"):
         confirm.decide(registration, one)
 
@@ -590,6 +648,46 @@ def test_with_same_machine_seed_a_seeds_runs_share_a_machine_and_seeds_may_diffe
     one["rung3"][1]["learned"]["reference"][401] = dict(one["rung3"][1]["learned"]["reference"][401], trained_on="C")
     with pytest.raises(ConfigError, match=r"^rung3: learned/seed401's runs were trained on 2 machines \(B, C\)"):
         confirm.decide(per_seed, one)
+
+
+def test_a_cell_missing_a_seed_its_config_runs_is_refused_by_name_on_either_arm(decided):
+    registration, read, _ = decided
+    for arm in ("no_doc_mask", "reference"):
+        one = copied(read)
+        del one["rung3"][1]["learned"][arm][403]
+        words = rf"^out/ablate: learned/{arm} has no run of seed\(s\) 403 of the 8 its study runs: finish the study"
+        with pytest.raises(ConfigError, match=words):
+            confirm.decide(registration, one)
+
+
+def test_an_in_context_test_shows_and_bootstraps_whole_documents_in_context(decided):
+    registration, read, before = decided
+    one = copied(read)
+    for variant, shift in (("reference", 0.0), ("no_doc_mask", -0.3)):  # the mask's cost, 0.3 lower in context
+        for seed, result in one["rung3"][1]["learned"][variant].items():
+            sums, counts = confirm.by_document(result)
+            in_context = sums + shift * counts
+            one["rung3"][1]["learned"][variant][seed] = dict(
+                result,
+                val_doc_loss_in_context=float(in_context.sum() / counts.sum()),
+                val_doc_loss_in_context_sum_by_document=in_context.tolist(),
+            )
+    test = confirm.Test("mask, in context", "rung3", "learned", "no_doc_mask", "in_context", 0.1)
+    only = dataclasses.replace(registration, primary=[test], equivalence=[], invariance={})
+    entry = confirm.decide(only, one)["primary"][test.name]
+    alone = before["primary"]["mask, learned"]
+    assert entry["whole"] == pytest.approx(entry["estimate"]) == pytest.approx(alone["whole"] - 0.3)
+    assert entry["whole_bootstrap95"] == pytest.approx([end - 0.3 for end in alone["whole_bootstrap95"]])
+
+
+def test_a_rounding_rerun_on_another_machine_than_its_first_run_is_refused(decided):
+    registration, read, _ = decided
+    one = copied(read)
+    one["rounding"][1]["rope"]["reference"][400] = dict(one["rounding"][1]["rope"]["reference"][400], trained_on="B")
+    rerun_only = dataclasses.replace(registration, invariance={}, rounding={"study": "rung3", "rerun": "rounding"})
+    words = r"^rounding: rope/reference/seed400 was trained on another machine than its first run \(B and unknown\)"
+    with pytest.raises(ConfigError, match=words):
+        confirm.rounding(rerun_only, one)
 
 
 def test_the_rounding_rerun_reports_how_far_it_moved_each_reference_and_invariance_may_be_absent(decided):
