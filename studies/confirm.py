@@ -651,6 +651,17 @@ def primary_rows(decided: dict, alpha: float) -> list[list]:
     return rows
 
 
+def equivalence_lines(decided: dict) -> list[str]:
+    if not decided["equivalence"]:  # a registration without equivalence tests
+        return []
+    rows = [
+        [n, signed(r["estimate"], r["ci90"]), r["margin"], f"{r['p_holm']:.2g}", r["verdict"]]
+        for n, r in decided["equivalence"].items()
+    ]
+    header = ["test", "effect [90% CI]", "margin", "Holm p", "verdict"]
+    return ["## Equivalence (a family of its own)", "", *markdown_table(header, rows), ""]
+
+
 def invariance_lines(registration: Registration, decided: dict) -> list[str]:
     if "invariance" not in decided:
         return []
@@ -692,16 +703,7 @@ def report(registration: Registration, decided: dict) -> str:
         "",
         *markdown_table(header, primary_rows(decided, registration.alpha)),
         "",
-        "## Equivalence (a family of its own)",
-        "",
-        *markdown_table(
-            ["test", "effect [90% CI]", "margin", "Holm p", "verdict"],
-            [
-                [n, signed(r["estimate"], r["ci90"]), r["margin"], f"{r['p_holm']:.2g}", r["verdict"]]
-                for n, r in decided["equivalence"].items()
-            ],
-        ),
-        "",
+        *equivalence_lines(decided),
         *invariance_lines(registration, decided),
         *rounding_lines(decided),
         "## As registered",

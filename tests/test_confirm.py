@@ -352,6 +352,14 @@ def test_an_endpoint_the_runs_lack_is_one_line_and_the_invariance_reports_it_emp
     )
 
 
+def test_a_registration_without_equivalence_tests_reports_no_equivalence_section(decided, monkeypatch):
+    registration, read, _ = decided
+    monkeypatch.setattr(confirm, "plan_lines", lambda registration: [])  # its studies have no configs here
+    without = dataclasses.replace(registration, equivalence=[])
+    assert "## Equivalence" not in confirm.report(without, confirm.decide(without, read))
+    assert "## Equivalence (a family of its own)" in confirm.report(registration, confirm.decide(registration, read))
+
+
 def test_a_diverged_run_is_never_within_rounding(decided):
     registration, read, _ = decided
     study, rounding, offsets = read["rounding"]
