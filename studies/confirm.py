@@ -388,8 +388,9 @@ def cell(study_runs: tuple[Study, dict, list[int]], pos: str, variant: str, scor
                 f"{study.out_dir}: {pos}/{arm} has no run of seed(s) {', '.join(map(str, missing))} of the "
                 f"{len(seeds)} its study runs: finish the study (python -m studies.ablate with its config)"
             )
-    if scoring == "in_context" and not all("val_doc_loss_in_context_sum_by_document" in r for r in mine.values()):
-        raise ConfigError(f"{study.out_dir}: {pos}/{variant}'s runs were not scored in context")
+    scored = [by_seed[s] for by_seed in (mine, reference) for s in seeds]
+    if scoring == "in_context" and not all("val_doc_loss_in_context_sum_by_document" in r for r in scored):
+        raise ConfigError(f"{study.out_dir}: {pos}/{variant} or its reference has runs not scored in context")
     return Cell(
         {s: endpoints(mine[s], study, offsets) for s in seeds},
         {s: endpoints(reference[s], study, offsets) for s in seeds},
@@ -477,13 +478,14 @@ def growth_test(before: Cell, after: Cell, test: Test, resamples: int) -> dict:
     whole_before = before.effects(before.scoring)
     whole_growth, whole_interval, _ = welch_growth(whole_before, after.effects(after.scoring))
     effect_before = float(np.mean(effects_before))
+    words, size_percent = size_change(effect_before, growth)
     return {
         "seeds": f"{len(effects_before)} + {len(effects_after)}",
         "reference": effect_before,  # what it grows from: the earlier study's effect
         "estimate": growth,
         "ci95": interval,
-        "size_change": size_change(effect_before, growth)[0],
-        "percent": size_change(effect_before, growth)[1],
+        "size_change": words,
+        "percent": size_percent,
         "p": p,
         "p_rank": stats.rank_sum_p(effects_before, effects_after),
         "smallest_p_rank": stats.smallest_rank_sum_p(len(effects_before), len(effects_after)),

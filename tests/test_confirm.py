@@ -686,6 +686,9 @@ def test_an_in_context_test_shows_and_bootstraps_whole_documents_in_context(deci
     alone = before["primary"]["mask, learned"]
     assert entry["whole"] == pytest.approx(entry["estimate"]) == pytest.approx(alone["whole"] - 0.3)
     assert entry["whole_bootstrap95"] == pytest.approx([end - 0.3 for end in alone["whole_bootstrap95"]])
+    del one["rung3"][1]["learned"]["reference"][404]["val_doc_loss_in_context_sum_by_document"]
+    with pytest.raises(ConfigError, match="learned/no_doc_mask or its reference has runs not scored in context$"):
+        confirm.decide(only, one)
 
 
 def test_a_rounding_rerun_on_another_machine_than_its_first_run_is_refused(decided):
