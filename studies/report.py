@@ -222,10 +222,9 @@ def decide_primary(cells: dict) -> None:
     difference = stats.holm({k: e["p_difference"] for k, e in family.items()})
     equivalence = stats.holm({k: e["p_equivalence"] for k, e in family.items()})
     signed_rank = stats.holm({k: e["p_wilcoxon"] for k, e in family.items()})
-    # a cell's adjusted p is at least its own smallest possible p, and at least the family's smallest times its
-    # size (Holm's first step): with too few seeds the check cannot pass, whatever the data
-    floor = {k: stats.smallest_signed_rank_p(e["df"] + 1) for k, e in family.items()}
-    first_step = len(family) * min(floor.values(), default=1.0)
+    # Holm's adjusted p never falls when any p rises, so the check's best case is Holm over the smallest p each
+    # cell's seeds allow: with too few seeds it cannot pass, whatever the data
+    best_case = stats.holm({k: stats.smallest_signed_rank_p(e["df"] + 1) for k, e in family.items()})
     for key, entry in family.items():
         effect = stats.Effect(entry["estimate"], entry["se"], entry["df"])
         entry["p_difference_holm"], entry["p_equivalence_holm"] = difference[key], equivalence[key]
@@ -234,7 +233,7 @@ def decide_primary(cells: dict) -> None:
         # same family, also reaches
         entry["p_wilcoxon_holm"] = signed_rank[key]
         if entry["verdict"] in ("hurts", "helps"):
-            reachable = max(floor[key], first_step) < stats.ALPHA
+            reachable = best_case[key] < stats.ALPHA
             entry["robust"] = bool(signed_rank[key] < stats.ALPHA) if reachable else None
 
 
@@ -373,8 +372,8 @@ def decision_rule_lines(summary: dict, study: Study, offsets: list[int]) -> list
         f"{2 * stats.ALPHA:g} (a false difference or a false equivalence, each held to {stats.ALPHA}). Robustness "
         "for heavy tails: Wilcoxon's signed-rank test of the same differences, Holm over the same family; a "
         "`hurts` or `helps` it does not reach is marked `(not robust)`, or `(too few seeds to check)` where "
-        "no data could reach it (the smallest p its seeds allow, 2/2^n, or the family's size times the "
-        f"family's smallest, is at least {stats.ALPHA}).",
+        "no data could reach it (Holm over the smallest p each cell's seeds allow, 2/2^n, is at least "
+        f"{stats.ALPHA} for it).",
         f"- secondary: the middle band (positions {study.middle_band[0]}-{study.middle_band[1] - 1}"
         f"{empty_band_note(summary, 'middle')}), the other "
         "of early band and val_doc_loss, the offset effect (the probe documents' loss after "

@@ -672,6 +672,10 @@ def test_the_signed_rank_check_says_when_the_seeds_are_too_few_for_it_to_pass():
     # beside a cell of 12 seeds the family could pass, but a cell of 3 never can: its own floor is 2/8
     assert family(1, clear[:3], [0.1] * 12)["robust"] is None
     assert family(1, [0.1 + 0.001 * i for i in range(12)], clear[:3])["robust"] is True
+    # Holm's later steps: beside one cell of 12 seeds (its floor 2/4096, times 5), four cells of 6 seeds have
+    # floors of 2/64 each, and Holm's second step multiplies theirs by 4: 0.125, out of reach for all four
+    six = [0.1, 0.12, 0.09, 0.11, 0.1, 0.13]
+    assert family(4, six, [0.1 + 0.001 * i for i in range(12)])["robust"] is None
 
 
 def test_a_study_records_its_data_and_names_the_files_that_differ_at_a_later_start(tmp_path):
