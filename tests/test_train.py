@@ -380,7 +380,7 @@ def test_a_run_that_ends_before_its_warmup_does_says_so(tiny_corpus, tmp_path, c
 
 
 @pytest.mark.slow
-def test_short_run_learns_writes_metrics_and_checkpoint(tiny_corpus, tmp_path):
+def test_short_run_learns_writes_metrics_and_checkpoint(tiny_corpus, tmp_path, capsys):
     out = tmp_path / "run"
     cfg = parse_config(
         tiny_args(
@@ -406,6 +406,12 @@ def test_short_run_learns_writes_metrics_and_checkpoint(tiny_corpus, tmp_path):
     assert json.loads((out / "config.json").read_text())["max_iters"] == 40
     packing = records[0]["packing_statistics"]  # logged once, before the first step
     assert records[0]["step"] == 0 and packing["padding_share"] == 0 and packing["documents_per_row"] > 1
+    epochs = 40 * cfg.batch_size * cfg.grad_accum / packing["rows"]  # every step reads batch_size rows
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epochs: ")]
+    assert len(printed) == 1 and printed[0].startswith(
+        f"epochs: the 40 steps read the training rows {epochs:.2f} times"
+    )
+    assert ("more than two" in printed[0]) == (epochs > 2)
     state = torch.load(out / "ckpt.pt", weights_only=False)
     assert state["step"] == 40 and state["config"]["lr"] == 1e-2
 
