@@ -7,6 +7,8 @@
     python -m studies.confirm configs/practitioner_gpu.toml --run --dataset=docs.parquet
                                                               # train every study (any --key=value is passed to
                                                               # each, and read with it), then decide
+    python -m studies.confirm configs/practitioner_gpu.toml --dataset=docs.parquet
+                                                              # decide again from those runs: the same --key=value
 
 The study is several `python -m studies.ablate` studies (two training lengths, and a rerun at another thread
 count), decided together by the families that the registration (configs/confirm.toml) names, never by each
@@ -724,9 +726,10 @@ def main(argv: list[str]) -> int:
     try:
         if argv[0].startswith("--"):
             raise ConfigError(f"give the registration first: python -m studies.confirm REGISTRATION.toml {argv[0]}")
-        if overrides and "run" not in options:
-            unknown = ", ".join(a.removeprefix("--") for a in overrides)
-            raise ConfigError(f"unknown option(s) {unknown}: see python -m studies.confirm --help")
+        if unknown := [a.removeprefix("--") for a in overrides if "=" not in a]:  # a study's setting has a value
+            raise ConfigError(f"unknown option(s) {', '.join(unknown)}: see python -m studies.confirm --help")
+        if overrides and "plan" in options:
+            raise ConfigError(f"--plan reads the studies' configs as registered: drop {' '.join(overrides)}")
         registration = read_registration(Path(argv[0]))
         if "plan" in options:
             print("\n".join(plan_lines(registration)))

@@ -478,6 +478,10 @@ def test_unknown_options_and_missing_results_are_one_line_errors(tmp_path, capsy
     path.write_text(registration_text(1))
     assert confirm.main([str(path), "--plna"]) == 1
     assert "unknown option(s) plna" in capsys.readouterr().err
+    assert confirm.main([str(path), "--plan", "--seeds=2"]) == 1
+    assert capsys.readouterr().err == "error: --plan reads the studies' configs as registered: drop --seeds=2\n"
+    assert confirm.main([str(path), "--sedes=2"]) == 1  # a study's setting: its config's parser knows them
+    assert "unknown config key 'sedes'" in capsys.readouterr().err
     assert confirm.main(["--plan", str(path)]) == 1
     assert (
         capsys.readouterr().err
@@ -736,6 +740,13 @@ def test_the_gpu_registration_trains_and_decides_end_to_end_at_a_tiny_size_on_th
     decided = json.loads((out / "confirm.json").read_text())
     assert len(decided["primary"]) == 10 and all("verdict" in r for r in decided["primary"].values())
     assert decided["primary"]["trend, 13M to 42M, alone"]["seeds"] == "2 + 2"
+    again = subprocess.run(  # deciding again from the same runs: read with the same settings
+        [sys.executable, "-m", "studies.confirm", "configs/practitioner_gpu.toml", f"--out_dir={tmp_path / 'again'}",
+         *tiny],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((tmp_path / "again" / "confirm.json").read_text()) == decided
     for size in ("13m", "42m", "110m"):
         results = json.loads((tmp_path / "out" / f"practitioner_gpu_{size}" / "results.json").read_text())
         runs = list((tmp_path / "out" / f"practitioner_gpu_{size}").rglob("result.json"))
