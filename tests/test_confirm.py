@@ -5,8 +5,10 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -768,6 +770,38 @@ def test_a_study_that_fails_under_run_is_its_own_one_line_error_and_exit_code(tm
     )  # fmt: skip
     assert (done.returncode, done.stderr) == (1, "error: n_layer=0: must be at least 1\n")
     assert "===== study gpu_13m" in done.stdout and not (tmp_path / "confirm.json").exists()
+
+
+STUDY_STAND_IN = """
+import pathlib, signal, sys, time
+got = []
+for signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(signum, lambda signum, frame: got.append(signum))
+pathlib.Path(sys.argv[1]).write_text("training")
+while not got:
+    time.sleep(0.01)
+time.sleep(0.6)  # the step in flight and its checkpoint: longer than subprocess.run's 0.25 s grace after Ctrl-C
+pathlib.Path(sys.argv[1]).write_text(f"saved after {got}")
+sys.exit(128 + got[0])
+"""
+
+
+@pytest.mark.parametrize("signum, whole_group", [(signal.SIGINT, True), (signal.SIGTERM, False)])
+def test_a_stop_reaches_a_running_study_once_and_waits_for_its_checkpoint(signum, whole_group, tmp_path):
+    """Ctrl-C reaches the terminal's whole process group, SIGTERM only the process named: either way the study's
+    child gets the signal once and saves before `confirm --run` exits 128 + the signal's number."""
+    state = tmp_path / "state"
+    harness = (
+        "import sys\nfrom cli import run_main\nfrom studies import confirm\n"
+        f"run_main(lambda argv: confirm.run_study([sys.executable, '-c', {STUDY_STAND_IN!r}, {str(state)!r}]))"
+    )
+    confirm_run = subprocess.Popen([sys.executable, "-c", harness], cwd=ROOT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (state.exists() and state.read_text() == "training") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (os.killpg if whole_group else os.kill)(confirm_run.pid, signum)
+    assert confirm_run.wait(timeout=60) == 128 + signum
+    assert state.read_text() == f"saved after [{int(signum)}]"
 
 
 def test_a_test_that_no_seed_count_up_to_200_powers_says_so_in_the_plan():
