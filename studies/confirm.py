@@ -56,7 +56,7 @@ from studies.report import ENDPOINT_NAMES, endpoints, saved_runs, settings_chang
 from studies.tables import markdown_table
 
 ROUNDING_ENDPOINTS = ("early", "late", "from_second", "in_context")
-OPTIONS = ("plan", "studies_dir", "out_dir", "run")
+FLAGS, FOLDERS = ("plan", "run"), ("studies_dir", "out_dir")  # this command's options; others are the studies'
 MOST_PRIMARY_TESTS = 12  # Holm keeps the family-wise error at any size; power is what a large family costs
 
 
@@ -362,7 +362,7 @@ class Cell:
 def whole_document_scoring(endpoint: str) -> str:
     """The whole-document endpoint shown beside a test, and bootstrapped over documents: its own where the test
     scores whole documents in context, the documents scored alone otherwise."""
-    return "in_context" if endpoint == "in_context" else "from_second"
+    return "in_context" if endpoint.endswith("in_context") else "from_second"
 
 
 def by_document(result: dict, scoring: str = "from_second") -> np.ndarray:
@@ -466,11 +466,15 @@ def welch_growth(before: list[float], after: list[float]) -> tuple[float, list[f
 
 
 def size_change(before: float, growth: float) -> tuple[str, float]:
-    """A growth test's effect read by its size (its distance from 0), and that size's change in % of the earlier
-    one: an effect of -0.05 that moves to -0.01 shrinks by 80%, though the difference is +0.04."""
-    after = before + growth
-    words = "reverses" if before * after < 0 else ("grows" if abs(after) > abs(before) else "shrinks")
-    return words, percent(abs(after) - abs(before), abs(before))
+    """A growth test's change read against the earlier effect's sign, as the test decides only the change's
+    sign: away from 0 it grows, toward 0 it shrinks ("past 0" where the later estimate has the other sign); and
+    the change in % of the earlier effect. An effect of -0.05 that moves to -0.01 shrinks by 80%, though the
+    difference is +0.04."""
+    if before == 0:  # any change is away from 0
+        return "grows", math.copysign(math.inf, growth) if growth else 0.0
+    if growth * before > 0:
+        return "grows", percent(growth, before)
+    return "shrinks" + (", past 0" if before * (before + growth) < 0 else ""), percent(growth, before)
 
 
 def growth_test(before: Cell, after: Cell, test: Test, resamples: int) -> dict:
@@ -511,7 +515,7 @@ def decide_family(results: dict[str, dict], alpha: float, growth: set[str]) -> N
         decided = r["size_change"] if name in growth else ("hurts" if r["estimate"] > 0 else "helps")
         r["verdict"] = decided if adjusted[name] < alpha else "unresolved"
         if math.isnan(adjusted[name]):
-            r["verdict"] = "not decided: a value is not a number (a diverged run?)"
+            r["verdict"] = "not decided: a value is not a number (a diverged run, or a cell of one seed)"
         r["rank_reachable"] = best_case[name] < alpha
         r["robust"] = bool(adjusted_rank[name] < alpha) if r["rank_reachable"] else None
 
@@ -647,7 +651,7 @@ def primary_rows(decided: dict, alpha: float) -> list[list]:
         if r["robust"] is None:  # the best case: every test of the family at the smallest p its seeds allow
             rank = f"cannot pass (at best {r['best_p_rank_holm']:.2g})"
         else:
-            rank = f"{r['p_rank_holm']:.2g}" + ("" if r["robust"] or r["verdict"] == "unresolved" else " (not robust)")
+            rank = f"{r['p_rank_holm']:.2g}" + (" (not robust)" if r["robust"] is False and r["p_holm"] < alpha else "")
         rows.append(
             [name, r["seeds"], f"**{r['verdict']}**", f"{signed(r['estimate'], r['ci95'])}", f"{r['percent']:+.1f}%"]
             + [f"{r['p_holm']:.2g}", rank, f"{signed(r['whole'], r['whole_ci95'])} ({r['whole_percent']:+.1f}%)"]
@@ -702,9 +706,10 @@ def report(registration: Registration, decided: dict) -> str:
         f"Primary family: Holm over {len(registration.primary)} difference tests at family-wise alpha "
         f"{registration.alpha}. Effects are the variant's loss minus the reference's (positive: switching "
         "the fix off raises the loss, so the fix helps, and the verdict says the variant hurts); growth is the "
-        "later study's effect minus the earlier one's, its verdict and % read by the effect's size: grows or "
-        "shrinks (further from 0 or closer to it, in % of the earlier size), or reverses (changes sign). A rank "
-        "test that cannot pass gives its best Holm p: every test of the family at the smallest p its seeds allow.",
+        "later study's effect minus the earlier one's, read against the earlier effect's sign: it grows (away "
+        "from 0) or shrinks (toward 0; past 0 where the later estimate has the other sign), in % of the earlier "
+        "effect. A rank test that cannot pass gives its best Holm p: every test of the family at the smallest p "
+        "its seeds allow.",
         "",
         *markdown_table(header, primary_rows(decided, registration.alpha)),
         "",
@@ -722,13 +727,10 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0 if argv else 2
-    options = dict(a.removeprefix("--").split("=", 1) if "=" in a else (a.removeprefix("--"), "") for a in argv[1:])
-    overrides = tuple(a for a in argv[1:] if a.removeprefix("--").split("=")[0] not in OPTIONS)
     try:
         if argv[0].startswith("--"):
             raise ConfigError(f"give the registration first: python -m studies.confirm REGISTRATION.toml {argv[0]}")
-        if unknown := [a.removeprefix("--") for a in overrides if "=" not in a]:  # a study's setting has a value
-            raise ConfigError(f"unknown option(s) {', '.join(unknown)}: see python -m studies.confirm --help")
+        options, overrides = read_options(argv[1:])
         if overrides and "plan" in options:
             raise ConfigError(f"--plan reads the studies' configs as registered: drop {' '.join(overrides)}")
         registration = read_registration(Path(argv[0]))
@@ -752,6 +754,27 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def read_options(arguments: list[str]) -> tuple[dict[str, str], tuple[str, ...]]:
+    """This command's options (--plan and --run alone, --studies_dir and --out_dir with a folder), and the
+    studies' --key=value settings, which each study's config parser checks."""
+    options, overrides = {}, []
+    for argument in arguments:
+        key, has_value, value = argument.removeprefix("--").partition("=")
+        if not argument.startswith("--"):
+            raise ConfigError(f"{argument!r}: give each option as --key=value (python -m studies.confirm --help)")
+        if key in FLAGS and has_value:
+            raise ConfigError(f"--{key} takes no value: give --{key} alone")
+        if key in FOLDERS and not value:
+            raise ConfigError(f"--{key} needs a folder: --{key}=DIR")
+        if key not in FLAGS + FOLDERS and not has_value:
+            raise ConfigError(f"unknown option(s) {key}: see python -m studies.confirm --help")
+        if key in FLAGS + FOLDERS:
+            options[key] = value
+        else:
+            overrides.append(argument)
+    return options, tuple(overrides)
 
 
 def run_studies(registration: Registration, overrides: tuple[str, ...]) -> int:

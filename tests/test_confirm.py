@@ -272,6 +272,10 @@ def test_a_nan_p_is_not_decided_and_leaves_the_others_their_verdicts():
     results |= {f"t{i}": {"p": 0.001, "p_rank": 1e-4, "smallest_p_rank": 1e-5, "estimate": 1.0} for i in range(6)}
     confirm.decide_family(results, 0.05, set())
     assert results["nan"]["verdict"].startswith("not decided: a value is not a number")
+    results["nan"].update(seeds=8, ci95=[0, 1], percent=1.0, whole=0.0, whole_ci95=[0, 0], whole_percent=0.0)
+    results["nan"]["whole_bootstrap95"] = [0, 0]
+    row = confirm.primary_rows({"primary": {"nan": results["nan"]}}, 0.05)[0]
+    assert row[6] == "nan"  # no robustness beside what was not decided
     assert all(results[f"t{i}"]["verdict"] == "hurts" for i in range(6))  # 7 x 0.001, as with a p of 1 beside them
 
 
@@ -289,10 +293,11 @@ def effect_cell(effects: list[float], first_seed: int) -> confirm.Cell:
     [
         ([0.05, 0.04, 0.06], [0.10, 0.11, 0.09], "grows", 100.0),
         ([-0.05, -0.04, -0.06], [-0.01, -0.02, 0.0], "shrinks", -80.0),  # a rising difference, a falling size
-        ([-0.02, -0.03, -0.01], [0.05, 0.04, 0.06], "reverses", 150.0),
+        ([-0.02, -0.03, -0.01], [0.05, 0.04, 0.06], "shrinks, past 0", -350.0),  # the test decides: +0.07
+        ([0.0, 0.0, 0.0], [0.10, 0.11, 0.09], "grows", math.inf),
     ],
 )
-def test_a_growth_verdict_reads_the_effects_size_not_the_differences_sign(before, after, words, percent):
+def test_a_growth_verdict_reads_the_change_against_the_earlier_effects_sign(before, after, words, percent):
     test = confirm.Test("trend", "after", "rope", "naive", "early", 0.03, growth_from="before")
     results = {"trend": confirm.growth_test(effect_cell(before, 0), effect_cell(after, 10), test, 50)}
     confirm.decide_family(results, 0.05, {"trend"})
@@ -484,6 +489,14 @@ def test_unknown_options_and_missing_results_are_one_line_errors(tmp_path, capsy
     assert capsys.readouterr().err == "error: --plan reads the studies' configs as registered: drop --seeds=2\n"
     assert confirm.main([str(path), "--sedes=2"]) == 1  # a study's setting: its config's parser knows them
     assert "unknown config key 'sedes'" in capsys.readouterr().err
+    for arguments, words in (
+        (["--studies_dir"], "--studies_dir needs a folder: --studies_dir=DIR"),
+        (["--studies_dir", "results"], "--studies_dir needs a folder: --studies_dir=DIR"),
+        (["results"], "'results': give each option as --key=value"),
+        (["--run=false"], "--run takes no value: give --run alone"),
+    ):
+        assert confirm.main([str(path), *arguments]) == 1
+        assert capsys.readouterr().err.startswith(f"error: {words}")
     assert confirm.main(["--plan", str(path)]) == 1
     assert (
         capsys.readouterr().err
