@@ -235,10 +235,10 @@ def describe_run(
     statistics = batches_statistics(train_rows)
     session.print(f"data: {describe_packing(cfg.packing, statistics)}")
     epochs = cfg.max_iters * cfg.batch_size * cfg.grad_accum * session.world_size / statistics["rows"]
-    many = (
-        "; more than two: a study's effects then include overfitting (more data, or fewer steps)" if epochs > 2 else ""
+    overfitting = "; more than two: a study's effects then include overfitting (more data, or fewer steps)"
+    session.print(
+        f"epochs: the {cfg.max_iters:,} steps read the training rows {epochs:.2f} times" + overfitting * (epochs > 2)
     )
-    session.print(f"epochs: the {cfg.max_iters:,} steps read the training rows {epochs:.2f} times{many}")
     if session.resumed is None:
         session.log({"step": 0, "packing_statistics": statistics})
     session.print(

@@ -512,8 +512,8 @@ def decide_family(results: dict[str, dict], alpha: float, growth: set[str]) -> N
     best_case = stats.holm({name: r["smallest_p_rank"] for name, r in results.items()})
     for name, r in results.items():
         r["p_holm"], r["p_rank_holm"], r["best_p_rank_holm"] = adjusted[name], adjusted_rank[name], best_case[name]
-        decided = r["size_change"] if name in growth else ("hurts" if r["estimate"] > 0 else "helps")
-        r["verdict"] = decided if adjusted[name] < alpha else "unresolved"
+        direction = r["size_change"] if name in growth else ("hurts" if r["estimate"] > 0 else "helps")
+        r["verdict"] = direction if adjusted[name] < alpha else "unresolved"
         if math.isnan(adjusted[name]):
             r["verdict"] = "not decided: a value is not a number (a diverged run, or a cell of one seed)"
         r["rank_reachable"] = best_case[name] < alpha

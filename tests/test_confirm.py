@@ -276,13 +276,14 @@ def test_a_nan_p_is_not_decided_and_leaves_the_others_their_verdicts():
     results["nan"]["whole_bootstrap95"] = [0, 0]
     row = confirm.primary_rows({"primary": {"nan": results["nan"]}}, 0.05)[0]
     assert row[6] == "nan"  # no robustness beside what was not decided
-    assert all(results[f"t{i}"]["verdict"] == "hurts" for i in range(6))  # 7 x 0.001, as with a p of 1 beside them
+    assert all(results[f"t{i}"]["verdict"] == "hurts" for i in range(6))
+    assert all(results[f"t{i}"]["p_holm"] == pytest.approx(0.007) for i in range(6))  # 7 x 0.001: the NaN counts
 
 
 def effect_cell(effects: list[float], first_seed: int) -> confirm.Cell:
     """A cell whose per-seed effect (on every endpoint, and on each of 20 documents alike) is `effects`."""
-    documents = {s: np.stack([np.full(20, 4.0 * 49), np.full(20, 49.0)]) for s in range(len(effects))}
-    mine = {s: np.stack([np.full(20, (4.0 + e) * 49), np.full(20, 49.0)]) for s, e in enumerate(effects)}
+    documents = {first_seed + s: np.stack([np.full(20, 4.0 * 49), np.full(20, 49.0)]) for s in range(len(effects))}
+    mine = {first_seed + s: np.stack([np.full(20, (4.0 + e) * 49), np.full(20, 49.0)]) for s, e in enumerate(effects)}
     values = {first_seed + s: {"early": 4.0 + e, "from_second": 4.0 + e} for s, e in enumerate(effects)}
     reference = {first_seed + s: {"early": 4.0, "from_second": 4.0} for s in range(len(effects))}
     return confirm.Cell(values, reference, mine, documents)
