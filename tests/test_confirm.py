@@ -809,7 +809,10 @@ def test_a_stop_reaches_a_running_study_once_and_waits_for_its_checkpoint(signum
         "import sys\nfrom cli import run_main\nfrom studies import confirm\n"
         f"run_main(lambda argv: confirm.run_study([sys.executable, '-c', {STUDY_STAND_IN!r}, {str(state)!r}]))"
     )
-    confirm_run = subprocess.Popen([sys.executable, "-c", harness], cwd=ROOT, start_new_session=True)
+    confirm_run = subprocess.Popen(
+        [sys.executable, "-c", harness], cwd=ROOT, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # Ctrl-C as from a terminal: a test runner
+    )  # fmt: skip                                                            # started in the background ignores it
     deadline = time.monotonic() + 60
     while not (state.exists() and state.read_text() == "training") and time.monotonic() < deadline:
         time.sleep(0.05)
