@@ -62,7 +62,7 @@ from shards import Shards, content_digests, digest_of, leading_documents, load_s
 from studies import import_leak
 from studies.plan import Study, check_against, empty_bands, parse_args, run_config, run_order, seeds_of_cells
 from studies.probes import marker_id, probe_inputs, run_probes
-from studies.report import code_commit, write_report
+from studies.report import code_commit, result_problem, write_report
 
 
 def pad_steps_factor(shards: Shards, seq_len: int, bos_id: int | None = None) -> float:
@@ -130,10 +130,11 @@ def check_reusable(out: Path, decided: dict) -> None:
         try:
             saved = json.loads(path.read_text())
             recorded = saved["decided_by"]
-            if path.name == "result.json" and not is_finished_result(saved["result"]):
-                raise ValueError
+            problem = result_problem(saved["result"]) if path.name == "result.json" else None
         except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"{path} is damaged: delete {out} to run it again") from None
+            problem = "not what this code writes"
+        if problem:
+            raise ConfigError(f"{path} is damaged ({problem}): delete {out} to run it again")
         if recorded != decided:
             before, now = flat(recorded), flat(decided)
             changed = ", ".join(k for k in before | now if before.get(k) != now.get(k))
@@ -141,22 +142,6 @@ def check_reusable(out: Path, decided: dict) -> None:
                 f"{out} was run with other settings than this study's ({changed}): give the study another "
                 f"out_dir, or delete {out} to run it again"
             )
-
-
-def is_finished_result(result) -> bool:
-    """What train_and_probe writes: the run's measures finite numbers, its sums by position lists of them."""
-
-    def number(value) -> bool:
-        return isinstance(value, int | float) and not isinstance(value, bool) and np.isfinite(value)
-
-    return (
-        isinstance(result, dict)
-        and all(number(result.get(k)) for k in ("val_loss", "val_doc_loss", "wall_seconds", "useful_tokens_per_sec"))
-        and all(
-            isinstance(result.get(k), list) and all(map(number, result[k]))
-            for k in ("val_doc_loss_sum_by_position", "val_doc_count_by_position")
-        )
-    )
 
 
 def check_data(out: Path, shard_path: Path) -> str:

@@ -392,8 +392,12 @@ def cell(study_runs: tuple[Study, dict, list[int]], pos: str, variant: str, scor
                 f"{len(seeds)} its study runs: finish the study (python -m studies.ablate with its config)"
             )
     scored = [by_seed[s] for by_seed in (mine, reference) for s in seeds]
-    if scoring == "in_context" and not all("val_doc_loss_in_context_sum_by_document" in r for r in scored):
-        raise ConfigError(f"{study.out_dir}: {pos}/{variant} or its reference has runs not scored in context")
+    needs = {"val_doc_loss_sum_by_document": "scored document by document"}  # the bootstrap over documents
+    if scoring == "in_context":
+        needs["val_doc_loss_in_context_sum_by_document"] = "scored in context"
+    for key, words in needs.items():
+        if not all(key in r for r in scored):
+            raise ConfigError(f"{study.out_dir}: {pos}/{variant} or its reference has runs not {words} (no {key})")
     return Cell(
         {s: endpoints(mine[s], study, offsets) for s in seeds},
         {s: endpoints(reference[s], study, offsets) for s in seeds},

@@ -673,12 +673,61 @@ def code_commit() -> str:
         return "unknown"
 
 
+def finite_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def result_problem(result: object) -> str | None:
+    """What makes a run's result unlike the one train_and_probe writes, or None. Every measure is a finite number
+    and every list of sums or counts as long as the others of its kind: a list cut short would be read as a run
+    that scored fewer positions or documents, and would decide on part of its data without a word."""
+    if not isinstance(result, dict):
+        return "it is not a run's result"
+    for key in ("val_loss", "val_doc_loss", "wall_seconds", "useful_tokens_per_sec", "after_other"):
+        if not finite_number(result.get(key)):
+            return f"its {key} is {result.get(key)!r}, not a finite number"
+    offsets = result.get("offset_loss")
+    if not (isinstance(offsets, dict) and "1" in offsets and all(map(finite_number, offsets.values()))):
+        return "its offset_loss is not the probe's losses by offset"
+    after_eot = result.get("start_after_eot", {})
+    if not isinstance(after_eot, dict):
+        return "its start_after_eot is not the losses after each EOT"
+    lengths: dict[str, int] = {}  # a list's name -> its length
+    listed = {**result, **{f"start_after_eot.{key}": value for key, value in after_eot.items()}}
+    for key, value in listed.items():
+        if key.endswith(("_by_position", "_by_document")):
+            if not (isinstance(value, list) and all(map(finite_number, value))):
+                return f"its {key} is not a list of finite numbers"
+            lengths[key] = len(value)
+        elif key.startswith("val_") and not finite_number(value):
+            return f"its {key} is {value!r}, not a finite number"
+    for key in ("val_doc_loss_sum_by_position", "val_doc_count_by_position"):
+        if key not in lengths:
+            return f"it has no {key}"
+    groups = (  # lists that must be as long as each other (after an EOT: the row's positions less one)
+        [key for key in lengths if key.startswith("val_") and key.endswith("_by_position")],
+        [key for key in lengths if key.endswith("_by_document")],
+        [key for key in lengths if key.startswith("start_after_eot.")],
+    )
+    for group in groups:
+        if len({lengths[key] for key in group}) > 1:
+            return "its lists differ in length (" + ", ".join(f"{key}: {lengths[key]}" for key in group) + ")"
+    return None
+
+
 def saved_runs(saved: dict) -> dict:
-    """A results.json's runs as summarise takes them: position kind -> variant -> seed (an int) -> result."""
-    return {
+    """A results.json's runs as summarise takes them: position kind -> variant -> seed (an int) -> result.
+    A run whose result is not one train_and_probe writes is a ValueError that names it."""
+    runs = {
         pos: {v: {int(s): r for s, r in cell.items()} for v, cell in kinds.items()}
         for pos, kinds in saved["runs"].items()
     }
+    for pos, kinds in runs.items():
+        for variant, cell in kinds.items():
+            for seed, result in cell.items():
+                if problem := result_problem(result):
+                    raise ValueError(f"run {pos}/{variant}/seed{seed}: {problem}")
+    return runs
 
 
 def settings_changed(saved: dict, study: Study, base: Config) -> list[str]:

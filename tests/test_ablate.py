@@ -444,28 +444,45 @@ def test_a_run_folder_of_other_settings_is_refused(tmp_path):
 
 
 def test_a_finished_run_whose_result_a_report_cannot_read_is_damaged(tmp_path):
-    kept = next((ROOT / "results").glob("*/runs/*/*/*/seed*/result.json"))  # a run this code's study wrote
-    result = json.loads(kept.read_text())["result"]
+    kept = ROOT / "results/practitioner_packages/runs/practitioner_packages/rope/naive/seed600/result.json"
+    result = json.loads(kept.read_text())["result"]  # a run this code's study wrote, with every list it writes
     decided = {"config": {"max_iters": 150}, "probes": {}}
     run = tmp_path / "run"
     run.mkdir()
     (run / "result.json").write_text(json.dumps({"result": result, "decided_by": decided}))
     ablate.check_reusable(run, decided)
-    for damage in (
-        lambda r: None,
-        lambda r: {},
-        lambda r: {**r, "val_doc_loss": "x"},
-        lambda r: {**r, "val_doc_loss": None},
-        lambda r: {**r, "wall_seconds": float("nan")},
-        lambda r: {**r, "val_doc_count_by_position": [1, None]},
-        lambda r: {k: v for k, v in r.items() if k != "useful_tokens_per_sec"},
+    cut = lambda r, key: {**r, key: r[key][:3]}  # noqa: E731
+    for damage, reason in (
+        (lambda r: None, "it is not a run's result"),
+        (lambda r: {}, "its val_loss is None, not a finite number"),
+        (lambda r: {**r, "val_doc_loss": "x"}, "its val_doc_loss is 'x', not a finite number"),
+        (lambda r: {**r, "wall_seconds": float("nan")}, "its wall_seconds is nan, not a finite number"),
+        (lambda r: {**r, "val_doc_loss_in_context": None}, "its val_doc_loss_in_context is None"),
+        (lambda r: {**r, "val_doc_count_by_position": [1, None]}, "val_doc_count_by_position is not a list of"),
+        (lambda r: {k: v for k, v in r.items() if k != "useful_tokens_per_sec"}, "its useful_tokens_per_sec is None"),
+        (lambda r: {k: v for k, v in r.items() if k != "val_doc_loss_sum_by_position"}, "it has no val_doc_loss_sum"),
+        (lambda r: {**r, "offset_loss": {"2": 1.0}}, "its offset_loss is not the probe's losses by offset"),
+        # a list cut short would be read as a run that scored fewer positions or documents
+        (lambda r: cut(r, "val_doc_loss_sum_by_position"), "val_doc_loss_sum_by_position: 3, val_doc_count_by_pos"),
+        (lambda r: cut(r, "val_doc_loss_in_context_sum_by_position"), "val_doc_loss_in_context_sum_by_position: 3"),
+        (lambda r: cut(r, "val_doc_first_token_loss_by_document"), "val_doc_first_token_loss_by_document: 3"),
     ):
         (run / "result.json").write_text(json.dumps({"result": damage(result), "decided_by": decided}))
-        with pytest.raises(ConfigError, match=f"{re.escape(str(run / 'result.json'))} is damaged: delete"):
+        path = re.escape(str(run / "result.json"))
+        with pytest.raises(ConfigError, match=rf"^{path} is damaged \(.*{re.escape(reason)}.*\): delete"):
             ablate.check_reusable(run, decided)
     (run / "result.json").write_text(json.dumps({"decided_by": decided}))
     with pytest.raises(ConfigError, match="is damaged"):
         ablate.check_reusable(run, decided)
+
+
+def test_a_results_file_with_a_damaged_run_is_refused_naming_the_run():
+    saved = json.loads((ROOT / "results/decided/confirm_rung3/results.json").read_text())
+    assert report.saved_runs(saved)["rope"]["reference"][400]["threads"] == 1  # as kept, every run reads
+    sums = saved["runs"]["learned"]["reference"]["400"]["val_doc_loss_sum_by_position"]
+    del sums[3:]  # the by-position counts stay whole: the bands would be read from part of the sums
+    with pytest.raises(ValueError, match=r"^run learned/reference/seed400: its lists differ in length \(.*: 3, "):
+        report.saved_runs(saved)
 
 
 @pytest.mark.slow

@@ -707,7 +707,12 @@ def test_an_in_context_test_shows_and_bootstraps_whole_documents_in_context(deci
     assert entry["whole"] == pytest.approx(entry["estimate"]) == pytest.approx(alone["whole"] - 0.3)
     assert entry["whole_bootstrap95"] == pytest.approx([end - 0.3 for end in alone["whole_bootstrap95"]])
     del one["rung3"][1]["learned"]["reference"][404]["val_doc_loss_in_context_sum_by_document"]
-    with pytest.raises(ConfigError, match="learned/no_doc_mask or its reference has runs not scored in context$"):
+    with pytest.raises(
+        ConfigError, match=r"no_doc_mask or its reference has runs not scored in context \(no val_doc_loss_in"
+    ):
+        confirm.decide(only, one)
+    del one["rung3"][1]["learned"]["reference"][405]["val_doc_loss_sum_by_document"]  # a traceback before
+    with pytest.raises(ConfigError, match=r"runs not scored document by document \(no val_doc_loss_sum_by_document\)$"):
         confirm.decide(only, one)
 
 

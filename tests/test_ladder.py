@@ -122,7 +122,10 @@ def test_bad_arguments_are_one_line(tmp_path, capsys):
     del runs["learned"]["no_doc_mask"][100]["val_doc_count_by_position"]
     write_runs(tmp_path, "no_counts", runs)
     assert ladder.main([no_counts, f"--out_dir={tmp_path / 'report'}"]) == 1
-    assert "cannot be read as a study's results (KeyError: 'val_doc_count_by_position')" in capsys.readouterr().err
+    assert (
+        "cannot be read as a study's results (ValueError: run learned/no_doc_mask/seed100: it has no "
+        "val_doc_count_by_position)" in capsys.readouterr().err
+    )
     summary_only = rung_config(tmp_path, "summary_only", 150)
     (tmp_path / "summary_only").mkdir()
     (tmp_path / "summary_only" / "results.json").write_text(json.dumps({"summary": {}}))
