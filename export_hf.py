@@ -99,6 +99,11 @@ def export(out_dir: Path, to: Path, overwrite: bool = False) -> dict:
         (tmp / "README.md").write_text(model_card(state, out_dir, config))
         checked = check(tmp, model, enc, state)
         if to.exists():
+            if foreign := sorted({p.name for p in to.iterdir()} - {p.name for p in tmp.iterdir()}):
+                raise ExportError(
+                    f"{to} holds {', '.join(foreign)}, which an export does not write: --overwrite=true replaces "
+                    "only an earlier export (move those, or give another --to)"
+                )
             shutil.rmtree(to)
         tmp.rename(to)
     except ImportError as e:

@@ -272,7 +272,15 @@ def test_export_never_replaces_the_run_the_working_folder_or_a_folder_that_is_no
     with pytest.raises(export_hf.ExportError, match="is not an exported model folder"):
         export_hf.export(out, tmp_path / "notes", overwrite=True)
     assert (tmp_path / "notes" / "keep.txt").exists() and (out / "ckpt.pt").exists()
-    tried("export target", 5)
+    export_hf.export(out, tmp_path / "hf")
+    export_hf.export(out, tmp_path / "hf", overwrite=True)  # an earlier export alone is replaced
+    (tmp_path / "hf" / ".git").mkdir()  # a model repository's clone: its other files are the user's
+    (tmp_path / "hf" / "NOTES.txt").write_text("mine")
+    with pytest.raises(export_hf.ExportError, match=r"hf holds \.git, NOTES\.txt, which an export does not write"):
+        export_hf.export(out, tmp_path / "hf", overwrite=True)
+    assert (tmp_path / "hf" / "NOTES.txt").read_text() == "mine" and (tmp_path / "hf" / "model.safetensors").exists()
+    assert not (tmp_path / ".hf.tmp").exists()
+    tried("export target", 6)
 
 
 # ---- a run in the folder: never replaced unless asked, and then only once the new one has a checkpoint
