@@ -793,7 +793,7 @@ def load_saved(path: Path, config: str | None) -> dict:
     """A study's results.json, with its training settings (from `config` for a study that did not record
     them, checked against the [ablate] table it recorded)."""
     saved = json.loads(path.read_text())
-    if not isinstance(saved, dict) or "runs" not in saved:
+    if not isinstance(saved, dict) or not saved.get("runs"):
         raise ConfigError(f"{path} is not a study's results.json: it holds no runs")
     missing = [k for k in ("study", "runs", "probe_offsets", "environment") if k not in saved]
     if missing:
@@ -811,13 +811,26 @@ def load_saved(path: Path, config: str | None) -> dict:
     return saved
 
 
+def usage_error(words: str) -> int:
+    print(f"error: {words} (python -m studies.report --help)", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str]) -> int:
     paths = [a for a in argv if not a.startswith("-")]
     options = [a for a in argv if a.startswith("-")]
     out_dirs = [a.removeprefix("--out_dir=") for a in options if a.startswith("--out_dir=")]
-    if len(paths) not in (1, 2) or len(out_dirs) != len(options):
+    if {"-h", "--help"} & set(options):
         print(__doc__.strip())
-        return 0 if {"-h", "--help"} & set(options) else 2
+        return 0
+    if unknown := [a for a in options if not a.startswith("--out_dir=")]:
+        return usage_error(f"unknown option {unknown[0]}: the only one is --out_dir=DIR")
+    if "" in out_dirs:
+        return usage_error("--out_dir is empty: give a folder, --out_dir=DIR")
+    if len(paths) not in (1, 2):
+        return usage_error(
+            f"give one results.json (and, for a study before 2026-12-02, its config): {len(paths)} paths given"
+        )
     path = Path(paths[0])
     try:
         saved = load_saved(path, paths[1] if len(paths) == 2 else None)

@@ -109,11 +109,32 @@ def test_bad_study_settings_are_one_clear_error(tmp_path):
         plan.parse_args([str(ROOT / "configs/ablate_cpu.toml"), "--n_layers=3"])
 
 
-def test_a_report_is_not_rebuilt_from_a_file_that_lacks_the_runs(tmp_path):
+def test_a_report_is_not_rebuilt_from_a_file_that_lacks_the_runs(tmp_path, capsys):
     old = tmp_path / "results.json"
     old.write_text(json.dumps({"summary": {}, "runs": {}}))
     assert report.main([str(old)]) == 1
+    assert capsys.readouterr().err == f"error: {old} is not a study's results.json: it holds no runs\n"
     assert report.main([str(tmp_path / "none.json")]) == 1
+
+
+@pytest.mark.parametrize(
+    "arguments, words",
+    [
+        (["--outdir=x"], "unknown option --outdir=x: the only one is --out_dir=DIR"),  # a typo once printed the help
+        (["--out_dir="], "--out_dir is empty: give a folder"),  # it once wrote into the working folder
+        ([], None),
+        (["config.toml", "extra"], "3 paths given"),
+    ],
+)
+def test_a_report_with_bad_options_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, arguments, words):
+    saved = tmp_path / "study" / "results.json"
+    saved.parent.mkdir()
+    shutil.copy(ROOT / "results/decided/confirm_rung3/results.json", saved)
+    monkeypatch.chdir(tmp_path)
+    assert report.main(arguments and [str(saved), *arguments]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and (words or "give one results.json") in err and err.startswith("error: ")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["results.json", "study"]
 
 
 def test_a_study_that_did_not_record_its_training_settings_is_rebuilt_from_its_config(tmp_path, capsys):

@@ -210,9 +210,13 @@ def test_ablate_settings_of_the_wrong_type(tmp_path, table, message, capsys):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda saved: saved["runs"]["learned"]["reference"]["20"].pop("val_doc_loss"), "not a study's results.json"),
+        (
+            lambda saved: saved["runs"]["learned"]["reference"]["20"].pop("val_doc_loss"),
+            "(run learned/reference/seed20: its val_doc_loss is None, not a finite number)",
+        ),
         (lambda saved: saved["runs"]["learned"]["reference"].pop("21"), "no_doc_mask has seeds [21] that its baseline"),
-        (lambda saved: saved.update(runs=[]), "AttributeError"),
+        (lambda saved: saved.update(runs=[]), "is not a study's results.json: it holds no runs"),
+        (lambda saved: saved.update(runs=["learned"]), "AttributeError"),
     ],
 )
 def test_a_damaged_results_json_is_one_line_and_no_report(tmp_path, damage, message, capsys):
