@@ -47,6 +47,7 @@ from errors import ConfigError, DataError, SaveFailed
 from prepare import prepare_for
 from resolve import model_settings, parameter_count
 from run.checkpoint import read_checkpoint
+from run.folder import check_writable_folder
 from shards import Shards, leading_documents, load_shards
 from studies import ablate, stats
 from studies.plan import Study, check_against, parse_args, primary_endpoints, seeds_of_cells
@@ -417,13 +418,12 @@ def main(argv: list[str]) -> int:
     try:
         study, base, rest, shards, shard_path = prepared(config, rest)
         workers = worker_count(given, base, study)
+        check_writable_folder(Path(study.out_dir), "out_dir")
         print("\n".join(plan_lines(study, base, shards)), flush=True)
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    out = Path(study.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    code = train_runs(config, rest, ["python", "-m", "studies.compare", *argv], workers, out)
+    code = train_runs(config, rest, ["python", "-m", "studies.compare", *argv], workers, Path(study.out_dir))
     if code != 0:
         return code
     try:

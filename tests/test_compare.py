@@ -227,6 +227,16 @@ def test_each_dataset_gets_its_own_folder_and_a_stopped_comparison_names_its_own
     assert compare.main(["--variants=no_doc_mask,naive"]) == 1  # no reference to compare with: one error line
 
 
+def test_an_out_dir_that_cannot_be_a_folder_is_one_line_naming_it_before_any_run(
+    monkeypatch, tmp_path, no_data, capsys
+):
+    monkeypatch.setattr(compare.ablate, "main", lambda *a, **k: pytest.fail("a run started"))
+    (tmp_path / "a_file").write_text("")
+    assert compare.main(["--dataset=my_docs.jsonl", "--out_dir=a_file/cmp"]) == 1
+    err = capsys.readouterr().err  # once: "cannot write the output (File exists)", after the plan, naming nothing
+    assert err == "error: out_dir a_file/cmp is not a writable folder (Not a directory)\n"
+
+
 def test_a_study_the_settings_make_impossible_is_refused_before_any_data_is_prepared(monkeypatch, capsys):
     prepared = []
     monkeypatch.setattr(compare, "prepare_for", lambda base: prepared.append(base) or Path("data/x"))
