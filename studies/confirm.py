@@ -319,8 +319,11 @@ def read_study(config: str, studies_dir: Path | None, overrides: tuple[str, ...]
     study, base = parse_args([config, *overrides])
     folder = Path(study.out_dir) if studies_dir is None else studies_dir / Path(study.out_dir).name
     path = folder / "results.json"
+    if studies_dir is not None and not studies_dir.is_dir():
+        raise ConfigError(f"--studies_dir={studies_dir} is not a folder")
     if not path.is_file():
-        raise ConfigError(f"{path} not found: run python -m studies.ablate {config} first (or give --studies_dir)")
+        where = "or give --studies_dir" if studies_dir is None else f"or copy its folder into {studies_dir}"
+        raise ConfigError(f"{path} not found: run python -m studies.ablate {config} first ({where})")
     try:
         saved = json.loads(path.read_text())
         runs, offsets, changed = saved_runs(saved), saved["probe_offsets"], settings_changed(saved, study, base)
@@ -737,6 +740,10 @@ def main(argv: list[str]) -> int:
         options, overrides = read_options(argv[1:])
         if overrides and "plan" in options:
             raise ConfigError(f"--plan reads the studies' configs as registered: drop {' '.join(overrides)}")
+        if {"plan", "run"} <= options.keys():
+            raise ConfigError("--plan trains nothing and --run trains the studies: give one of them")
+        if {"run", "studies_dir"} <= options.keys():
+            raise ConfigError("--run decides from the runs it trains, in each study's out_dir: drop --studies_dir")
         registration = read_registration(Path(argv[0]))
         if "plan" in options:
             print("\n".join(plan_lines(registration)))

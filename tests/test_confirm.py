@@ -495,6 +495,9 @@ def test_unknown_options_and_missing_results_are_one_line_errors(tmp_path, capsy
         (["--studies_dir", "results"], "--studies_dir needs a folder: --studies_dir=DIR"),
         (["results"], "'results': give each option as --key=value"),
         (["--run=false"], "--run takes no value: give --run alone"),
+        (["--plan", "--run"], "--plan trains nothing and --run trains the studies: give one of them"),  # ran nothing
+        (["--run", f"--studies_dir={tmp_path}"], "--run decides from the runs it trains"),  # decided from elsewhere
+        ([f"--studies_dir={tmp_path / 'none'}"], f"--studies_dir={tmp_path / 'none'} is not a folder"),
     ):
         assert confirm.main([str(path), *arguments]) == 1
         assert capsys.readouterr().err.startswith(f"error: {words}")
@@ -508,6 +511,7 @@ def test_unknown_options_and_missing_results_are_one_line_errors(tmp_path, capsy
     assert confirm.main([str(path), f"--studies_dir={tmp_path}", f"--out_dir={tmp_path / 'out'}"]) == 1
     error = capsys.readouterr().err
     assert "confirm_rung3/results.json not found" in error and not (tmp_path / "out").exists()
+    assert f"(or copy its folder into {tmp_path})" in error
 
 
 def test_a_study_decided_elsewhere_reports_effects_without_verdicts(decided):
