@@ -52,7 +52,7 @@ from errors import ConfigError, SaveFailed
 from run.folder import check_writable_folder, write_atomically
 from studies import stats
 from studies.plan import DIFFERENCE_ENDPOINTS, Study, parse_args, seeds_of_cells
-from studies.report import ENDPOINT_NAMES, endpoints, saved_runs, settings_changed
+from studies.report import ENDPOINT_NAMES, endpoints, result_problem, saved_runs, settings_changed
 from studies.tables import markdown_table
 
 ROUNDING_ENDPOINTS = ("early", "late", "from_second", "in_context")
@@ -214,13 +214,16 @@ def pilot_sd(registration: Registration, pilot_cell: str, endpoint: str) -> tupl
     offsets = sorted(set(study.probe_offsets) | {1, base.seq_len // 2})  # as studies.ablate probes them
     folder = Path(registration.pilot)
     pos, variant = pilot_cell.split("/")
+    if not folder.is_dir():
+        raise ConfigError(f"pilot={folder} is not a folder: give the study folder that holds the pilot's runs")
     diffs = []
     for run in sorted((folder / pos / variant).glob("seed*/result.json")):
         reference = folder / pos / "reference" / run.parent.name / "result.json"
         try:
-            values = [
-                endpoints(json.loads(p.read_text())["result"], study, offsets)[endpoint] for p in (run, reference)
-            ]
+            results = [json.loads(p.read_text())["result"] for p in (run, reference)]
+            if problem := next(filter(None, map(result_problem, results)), None):
+                raise ValueError(problem)
+            values = [endpoints(result, study, offsets)[endpoint] for result in results]
         except (OSError, ValueError, KeyError, TypeError) as e:  # a run or its reference missing, damaged, or
             raise ConfigError(  # without the endpoint (a band that holds no scored target)
                 f"the pilot's {run.parent} and its reference give no {endpoint} to plan with ({type(e).__name__}: {e})"

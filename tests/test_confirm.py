@@ -461,6 +461,12 @@ def test_a_pilot_that_cannot_plan_a_test_is_one_line(tmp_path, capsys):
     path.write_text(text)
     assert confirm.main([str(path), "--plan"]) == 1
     assert "names no pilot and pilot_config" in capsys.readouterr().err
+    path.write_text(f'pilot = "{tmp_path / "absent"}"\npilot_config = "configs/confirm_rung3.toml"\n{text}')
+    assert confirm.main([str(path), "--plan"]) == 1  # it once read as a pilot of 0 finished runs
+    assert (
+        capsys.readouterr().err
+        == f"error: pilot={tmp_path / 'absent'} is not a folder: give the study folder that holds the pilot's runs\n"
+    )
     pilot = tmp_path / "pilot" / "learned"
     for seed in (0, 1):
         (pilot / "no_doc_mask" / f"seed{seed}").mkdir(parents=True)
@@ -479,6 +485,12 @@ def test_a_pilot_that_cannot_plan_a_test_is_one_line(tmp_path, capsys):
         error = capsys.readouterr().err
         assert error.startswith("error: the pilot's ") and "give no early to plan with" in error, error
         assert error.count("\n") == 1
+    cut = fake_result(4.0, 4.0, np.full(40, 4.0))
+    del cut["val_doc_loss_sum_by_position"][20:]  # planned from part of its sums, before
+    for seed in (0, 1):
+        (pilot / "reference" / f"seed{seed}" / "result.json").write_text(json.dumps({"result": cut}))
+    assert confirm.main([str(path), "--plan"]) == 1
+    assert "give no early to plan with (ValueError: its lists differ in length" in capsys.readouterr().err
 
 
 def test_unknown_options_and_missing_results_are_one_line_errors(tmp_path, capsys):
