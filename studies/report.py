@@ -674,26 +674,31 @@ def code_commit() -> str:
 
 
 def finite_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A JSON number that is not a bool, NaN or infinite (an int of any size is finite; math.isfinite overflows)."""
+    return (type(value) is int) or (type(value) is float and math.isfinite(value))
 
 
 def result_problem(result: object) -> str | None:
     """What makes a run's result unlike the one train_and_probe writes, or None. Every measure is a finite number
-    and every list of sums or counts as long as the others of its kind: a list cut short would be read as a run
-    that scored fewer positions or documents, and would decide on part of its data without a word."""
+    and every list of sums as long as its counts: a list cut short would be read as a run that scored fewer
+    positions or documents, and would decide on part of its data without a word."""
     if not isinstance(result, dict):
         return "it is not a run's result"
     for key in ("val_loss", "val_doc_loss", "wall_seconds", "useful_tokens_per_sec", "after_other"):
-        if not finite_number(result.get(key)):
-            return f"its {key} is {result.get(key)!r}, not a finite number"
+        if key not in result:
+            return f"it has no {key}"
+        if not finite_number(result[key]):
+            return f"its {key} is {result[key]!r}, not a finite number"
     offsets = result.get("offset_loss")
     if not (isinstance(offsets, dict) and "1" in offsets and all(map(finite_number, offsets.values()))):
         return "its offset_loss is not the probe's losses by offset"
-    after_eot = result.get("start_after_eot", {})
-    if not isinstance(after_eot, dict):
-        return "its start_after_eot is not the losses after each EOT"
-    lengths: dict[str, int] = {}  # a list's name -> its length
+    after_eot = result.get("start_after_eot", {})  # a run without the marker: its documents after each EOT
+    if "start_after_eot" in result and not (
+        isinstance(after_eot, dict) and {"sum_by_position", "count_by_position"} <= after_eot.keys()
+    ):
+        return "its start_after_eot is not the losses by position after each EOT"
     listed = {**result, **{f"start_after_eot.{key}": value for key, value in after_eot.items()}}
+    lengths: dict[str, int] = {}  # a list's name -> its length
     for key, value in listed.items():
         if key.endswith(("_by_position", "_by_document")):
             if not (isinstance(value, list) and all(map(finite_number, value))):
@@ -701,10 +706,17 @@ def result_problem(result: object) -> str | None:
             lengths[key] = len(value)
         elif key.startswith("val_") and not finite_number(value):
             return f"its {key} is {value!r}, not a finite number"
-    for key in ("val_doc_loss_sum_by_position", "val_doc_count_by_position"):
-        if key not in lengths:
-            return f"it has no {key}"
-    groups = (  # lists that must be as long as each other (after an EOT: the row's positions less one)
+    needed = ["val_doc_loss_sum_by_position", "val_doc_count_by_position"]
+    if "val_doc_loss_sum_by_document" in lengths:
+        needed.append("val_doc_count_by_document")  # each document's loss is its sum over its count
+    if missing := [key for key in needed if key not in lengths]:
+        return f"it has no {missing[0]}"
+    return lists_of_unequal_length(lengths)
+
+
+def lists_of_unequal_length(lengths: dict[str, int]) -> str | None:
+    """A run's lists that must be as long as each other and are not (after an EOT: the row's positions less one)."""
+    groups = (
         [key for key in lengths if key.startswith("val_") and key.endswith("_by_position")],
         [key for key in lengths if key.endswith("_by_document")],
         [key for key in lengths if key.startswith("start_after_eot.")],
@@ -823,6 +835,8 @@ def main(argv: list[str]) -> int:
     if {"-h", "--help"} & set(options):
         print(__doc__.strip())
         return 0
+    if "--out_dir" in options:
+        return usage_error("--out_dir needs a folder: --out_dir=DIR")
     if unknown := [a for a in options if not a.startswith("--out_dir=")]:
         return usage_error(f"unknown option {unknown[0]}: the only one is --out_dir=DIR")
     if "" in out_dirs:

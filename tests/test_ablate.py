@@ -120,10 +120,11 @@ def test_a_report_is_not_rebuilt_from_a_file_that_lacks_the_runs(tmp_path, capsy
 @pytest.mark.parametrize(
     "arguments, words",
     [
-        (["--outdir=x"], "unknown option --outdir=x: the only one is --out_dir=DIR"),  # a typo once printed the help
-        (["--out_dir="], "--out_dir is empty: give a folder"),  # it once wrote into the working folder
-        ([], None),
-        (["config.toml", "extra"], "3 paths given"),
+        (["RESULTS", "--outdir=x"], "unknown option --outdir=x: the only one is --out_dir=DIR"),  # printed the help
+        (["RESULTS", "--out_dir="], "--out_dir is empty: give a folder"),  # it wrote into the working folder
+        (["RESULTS", "--out_dir"], "--out_dir needs a folder: --out_dir=DIR"),
+        ([], "give one results.json (and, for a study before 2026-12-02, its config): 0 paths given"),
+        (["RESULTS", "config.toml", "extra"], "3 paths given"),
     ],
 )
 def test_a_report_with_bad_options_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, arguments, words):
@@ -131,9 +132,9 @@ def test_a_report_with_bad_options_is_one_line_and_writes_nothing(tmp_path, monk
     saved.parent.mkdir()
     shutil.copy(ROOT / "results/decided/confirm_rung3/results.json", saved)
     monkeypatch.chdir(tmp_path)
-    assert report.main(arguments and [str(saved), *arguments]) == 2
+    assert report.main([str(saved) if a == "RESULTS" else a for a in arguments]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and (words or "give one results.json") in err and err.startswith("error: ")
+    assert err.startswith("error: ") and words in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["results.json", "study"]
 
 
@@ -464,30 +465,51 @@ def test_a_run_folder_of_other_settings_is_refused(tmp_path):
         ablate.check_reusable(run, decided)
 
 
-def test_a_finished_run_whose_result_a_report_cannot_read_is_damaged(tmp_path):
-    kept = ROOT / "results/practitioner_packages/runs/practitioner_packages/rope/naive/seed600/result.json"
-    result = json.loads(kept.read_text())["result"]  # a run this code's study wrote, with every list it writes
+def cut(result: dict, key: str) -> dict:
+    """The result with one of its lists cut to its first 3 entries (the key may be start_after_eot.NAME)."""
+    if key.startswith("start_after_eot."):
+        inner = key.removeprefix("start_after_eot.")
+        return {**result, "start_after_eot": cut(result["start_after_eot"], inner)}
+    return {**result, key: result[key][:3]}
+
+
+KEPT_RUNS = {  # runs this code's studies wrote, kept: with every list a run writes, under the marker and without
+    "marker": "results/practitioner_packages/runs/practitioner_packages/rope/naive/seed600/result.json",
+    "no marker": "results/decided/confirm_rung2/runs/confirm_rung2/learned/no_bos/seed500/result.json",
+}
+DAMAGES = [
+    (lambda r: None, "it is not a run's result"),
+    (lambda r: {}, "it has no val_loss"),
+    (lambda r: {**r, "val_doc_loss": "x"}, "its val_doc_loss is 'x', not a finite number"),
+    (lambda r: {**r, "wall_seconds": float("nan")}, "its wall_seconds is nan, not a finite number"),
+    (lambda r: {**r, "val_first_token_loss": None}, "its val_first_token_loss is None"),
+    (lambda r: {**r, "val_doc_count_by_position": [1, None]}, "val_doc_count_by_position is not a list of"),
+    (lambda r: {k: v for k, v in r.items() if k != "useful_tokens_per_sec"}, "it has no useful_tokens_per_sec"),
+    (lambda r: {k: v for k, v in r.items() if k != "after_other"}, "it has no after_other"),
+    (lambda r: {k: v for k, v in r.items() if k != "val_doc_loss_sum_by_position"}, "it has no val_doc_loss_sum"),
+    (lambda r: {k: v for k, v in r.items() if k != "val_doc_count_by_document"}, "it has no val_doc_count_by_doc"),
+    (lambda r: {**r, "offset_loss": {"2": 1.0}}, "its offset_loss is not the probe's losses by offset"),
+    (lambda r: {**r, "start_after_eot": []}, "its start_after_eot is not the losses by position after each EOT"),
+    # a list cut short would be read as a run that scored fewer positions or documents
+    (lambda r: cut(r, "val_doc_loss_sum_by_position"), "val_doc_loss_sum_by_position: 3, val_doc_count_by_pos"),
+    (lambda r: cut(r, "val_doc_loss_sum_by_document"), "val_doc_loss_sum_by_document: 3"),
+]
+
+
+@pytest.mark.parametrize("kept", KEPT_RUNS)
+def test_a_finished_run_whose_result_a_report_cannot_read_is_damaged(tmp_path, kept):
+    result = json.loads((ROOT / KEPT_RUNS[kept]).read_text())["result"]
     decided = {"config": {"max_iters": 150}, "probes": {}}
     run = tmp_path / "run"
     run.mkdir()
     (run / "result.json").write_text(json.dumps({"result": result, "decided_by": decided}))
     ablate.check_reusable(run, decided)
-    cut = lambda r, key: {**r, key: r[key][:3]}  # noqa: E731
-    for damage, reason in (
-        (lambda r: None, "it is not a run's result"),
-        (lambda r: {}, "its val_loss is None, not a finite number"),
-        (lambda r: {**r, "val_doc_loss": "x"}, "its val_doc_loss is 'x', not a finite number"),
-        (lambda r: {**r, "wall_seconds": float("nan")}, "its wall_seconds is nan, not a finite number"),
-        (lambda r: {**r, "val_doc_loss_in_context": None}, "its val_doc_loss_in_context is None"),
-        (lambda r: {**r, "val_doc_count_by_position": [1, None]}, "val_doc_count_by_position is not a list of"),
-        (lambda r: {k: v for k, v in r.items() if k != "useful_tokens_per_sec"}, "its useful_tokens_per_sec is None"),
-        (lambda r: {k: v for k, v in r.items() if k != "val_doc_loss_sum_by_position"}, "it has no val_doc_loss_sum"),
-        (lambda r: {**r, "offset_loss": {"2": 1.0}}, "its offset_loss is not the probe's losses by offset"),
-        # a list cut short would be read as a run that scored fewer positions or documents
-        (lambda r: cut(r, "val_doc_loss_sum_by_position"), "val_doc_loss_sum_by_position: 3, val_doc_count_by_pos"),
-        (lambda r: cut(r, "val_doc_loss_in_context_sum_by_position"), "val_doc_loss_in_context_sum_by_position: 3"),
-        (lambda r: cut(r, "val_doc_first_token_loss_by_document"), "val_doc_first_token_loss_by_document: 3"),
-    ):
+    own = (  # the lists only one kind of run has
+        [(lambda r: cut(r, "val_doc_first_token_loss_by_document"), "val_doc_first_token_loss_by_document: 3")]
+        if kept == "marker"
+        else [(lambda r: cut(r, "start_after_eot.sum_by_position"), "start_after_eot.sum_by_position: 3")]
+    )
+    for damage, reason in DAMAGES + own:
         (run / "result.json").write_text(json.dumps({"result": damage(result), "decided_by": decided}))
         path = re.escape(str(run / "result.json"))
         with pytest.raises(ConfigError, match=rf"^{path} is damaged \(.*{re.escape(reason)}.*\): delete"):

@@ -212,7 +212,7 @@ def test_ablate_settings_of_the_wrong_type(tmp_path, table, message, capsys):
     [
         (
             lambda saved: saved["runs"]["learned"]["reference"]["20"].pop("val_doc_loss"),
-            "(run learned/reference/seed20: its val_doc_loss is None, not a finite number)",
+            "(run learned/reference/seed20: it has no val_doc_loss)",
         ),
         (lambda saved: saved["runs"]["learned"]["reference"].pop("21"), "no_doc_mask has seeds [21] that its baseline"),
         (lambda saved: saved.update(runs=[]), "is not a study's results.json: it holds no runs"),
