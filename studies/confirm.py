@@ -52,7 +52,7 @@ from errors import ConfigError, SaveFailed
 from run.folder import check_writable_folder, write_atomically
 from studies import stats
 from studies.plan import DIFFERENCE_ENDPOINTS, Study, parse_args, seeds_of_cells
-from studies.report import ENDPOINT_NAMES, endpoints, result_problem, saved_runs, settings_changed
+from studies.report import ENDPOINT_NAMES, endpoints, finite_number, result_problem, saved_runs, settings_changed
 from studies.tables import markdown_table
 
 ROUNDING_ENDPOINTS = ("early", "late", "from_second", "in_context")
@@ -149,7 +149,7 @@ def read_registration(path: Path) -> Registration:
 def check_kinds(registration: Registration, path: Path) -> None:
     """Each of the registration's settings, and each test's names, of its kind: TOML gives any, and a wrong one
     would fail far from here, in the arithmetic of the plan or the decisions."""
-    r, number = registration, lambda v: type(v) in (int, float) and math.isfinite(v)
+    r, number = registration, finite_number
     fields = [
         ("alpha", r.alpha, "a number between 0 and 1", number(r.alpha) and 0 < r.alpha < 1),
         ("power", r.power, "a number between 0 and 1", number(r.power) and 0 < r.power < 1),
@@ -221,8 +221,9 @@ def pilot_sd(registration: Registration, pilot_cell: str, endpoint: str) -> tupl
         reference = folder / pos / "reference" / run.parent.name / "result.json"
         try:
             results = [json.loads(p.read_text())["result"] for p in (run, reference)]
-            if problem := next(filter(None, map(result_problem, results)), None):
-                raise ValueError(problem)
+            for path, result in zip((run, reference), results):
+                if problem := result_problem(result):
+                    raise ValueError(f"{path}: {problem}")
             values = [endpoints(result, study, offsets)[endpoint] for result in results]
         except (OSError, ValueError, KeyError, TypeError) as e:  # a run or its reference missing, damaged, or
             raise ConfigError(  # without the endpoint (a band that holds no scored target)
@@ -743,8 +744,8 @@ def main(argv: list[str]) -> int:
         options, overrides = read_options(argv[1:])
         if overrides and "plan" in options:
             raise ConfigError(f"--plan reads the studies' configs as registered: drop {' '.join(overrides)}")
-        if {"plan", "run"} <= options.keys():
-            raise ConfigError("--plan trains nothing and --run trains the studies: give one of them")
+        if "plan" in options and (others := sorted(options.keys() - {"plan"})):
+            raise ConfigError(f"--plan reads no runs and writes nothing: drop --{others[0]}")
         if {"run", "studies_dir"} <= options.keys():
             raise ConfigError("--run decides from the runs it trains, in each study's out_dir: drop --studies_dir")
         registration = read_registration(Path(argv[0]))

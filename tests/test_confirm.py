@@ -490,7 +490,11 @@ def test_a_pilot_that_cannot_plan_a_test_is_one_line(tmp_path, capsys):
     for seed in (0, 1):
         (pilot / "reference" / f"seed{seed}" / "result.json").write_text(json.dumps({"result": cut}))
     assert confirm.main([str(path), "--plan"]) == 1
-    assert "give no early to plan with (ValueError: its lists differ in length" in capsys.readouterr().err
+    error = capsys.readouterr().err  # the damaged file named
+    assert (
+        f"give no early to plan with (ValueError: {pilot / 'reference' / 'seed0' / 'result.json'}: its lists differ"
+        in error
+    )
 
 
 def test_unknown_options_and_missing_results_are_one_line_errors(tmp_path, capsys):
@@ -507,7 +511,8 @@ def test_unknown_options_and_missing_results_are_one_line_errors(tmp_path, capsy
         (["--studies_dir", "results"], "--studies_dir needs a folder: --studies_dir=DIR"),
         (["results"], "'results': give each option as --key=value"),
         (["--run=false"], "--run takes no value: give --run alone"),
-        (["--plan", "--run"], "--plan trains nothing and --run trains the studies: give one of them"),  # ran nothing
+        (["--plan", "--run"], "--plan reads no runs and writes nothing: drop --run"),  # it ran nothing, silently
+        (["--plan", f"--out_dir={tmp_path}"], "--plan reads no runs and writes nothing: drop --out_dir"),
         (["--run", f"--studies_dir={tmp_path}"], "--run decides from the runs it trains"),  # decided from elsewhere
         ([f"--studies_dir={tmp_path / 'none'}"], f"--studies_dir={tmp_path / 'none'} is not a folder"),
     ):
