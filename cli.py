@@ -80,6 +80,9 @@ def settings_from(cls: type, values: dict, help_command: str):
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(f"unknown config key {key!r}{hint}; run '{help_command}' for the keys")
     coerced = {k: _coerce(k, v, fields[k].type) for k, v in values.items()}
+    for key, value in coerced.items():  # "" would be the working folder: never what a path with a default meant
+        if fields[key].metadata["path"] and fields[key].default and not value.strip():
+            raise ConfigError(f"{key} is empty: give a path")
     settings = cls(**{k: os.path.expanduser(v) if fields[k].metadata["path"] else v for k, v in coerced.items()})
     check_bounds(settings)
     return settings

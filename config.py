@@ -188,9 +188,8 @@ def eval_token_budget(cfg: Config, world_size: int = 1) -> int:
 
 def validate(cfg: Config) -> None:
     """The settings consistent with each other (each value's own bounds: check_bounds)."""
-    for name in ("dataset", "data_dir", "out_dir", "text_field"):
-        if not getattr(cfg, name).strip():
-            raise ConfigError(f"{name} is empty: give a {'field name' if name == 'text_field' else 'path'}")
+    if not cfg.text_field.strip():  # an empty path is refused with its value (cli.settings_from)
+        raise ConfigError("text_field is empty: give a field name")
     if resolve_device(cfg.device).type != "cuda" and cfg.attn_impl == "flex":
         raise ConfigError("attn_impl=flex needs CUDA: FlexAttention has no backward on CPU; use attn_impl=sdpa")
     if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:

@@ -131,8 +131,6 @@ class Study:
     leak_pairs: int = setting(64, "pairs of the import-leak probe at most", minimum=1)
 
     def validate(self) -> None:
-        if not self.out_dir.strip():
-            raise ConfigError("out_dir is empty: give the study's folder")
         if not self.pos_embs:
             raise ConfigError("pos_embs is empty: name at least one position kind")
         if "reference" not in self.variants:

@@ -104,6 +104,21 @@ def test_non_finite_and_out_of_range_settings_are_refused_before_anything_else(t
             parse_config([bad, "--resume=true", f"--out_dir={tmp_path / 'none'}"] if "out_dir" not in bad else [bad])
 
 
+def test_an_empty_path_is_refused_by_every_script_before_it_reads_or_writes(capsys):
+    """An empty path would be the working folder: sample.py looked there, then suggested training into it."""
+    import export_hf
+    from studies import import_leak
+
+    for main, argv in [
+        (sample.main, ["--out_dir="]),
+        (export_hf.main, ["--out_dir=", "--to=hf"]),
+        (import_leak.main, ["--out_dir= "]),
+        (train.main, ["--data_dir="]),
+    ]:
+        one_error_line(in_process(main, argv, capsys), "is empty: give a path")
+    tried("an empty path", 4)
+
+
 def test_one_command_line_convention_everywhere(capsys):
     with pytest.raises(ConfigError, match="bad argument '--max_iters': use --key=value"):
         parse_config(["--max_iters", "5"])
