@@ -747,9 +747,10 @@ def settings_changed(saved: dict, study: Study, base: Config) -> list[str]:
     a rung with the config's bands and margins, so they must be the ones the runs were planned with). Its
     training settings are compared where it recorded them; studies before 2026-12-02 recorded only its
     [ablate] table, and each run's own record (decided_by, in its result.json) holds the rest."""
-    recorded = {"study": (settings_from(Study, saved["study"], "python -m studies.ablate --help"), study)}
-    if "config" in saved:
-        recorded["config"] = (settings_from(Config, saved["config"], "python train.py --help"), base)
+    then_study, then_base = recorded_settings(saved)
+    recorded = {"study": (then_study, study)}
+    if then_base is not None:
+        recorded["config"] = (then_base, base)
     where = {"study": {"out_dir"}, "config": NOT_DECIDING}  # where the files are, and what cannot change a number
     return [
         f"{table}.{key}"
@@ -759,12 +760,22 @@ def settings_changed(saved: dict, study: Study, base: Config) -> list[str]:
     ]
 
 
+def recorded_settings(saved: dict) -> tuple[Study, Config | None]:
+    """The study settings and training settings (None where not recorded) a results.json records; ValueError,
+    which each reader reports with the file's name, where they do not read as settings."""
+    try:
+        study = settings_from(Study, saved["study"], "python -m studies.ablate --help")
+        base = settings_from(Config, saved["config"], "python train.py --help") if "config" in saved else None
+    except ConfigError as e:
+        raise ValueError(f"its recorded settings do not read: {e}") from None
+    return study, base
+
+
 def report_from(saved: dict, out: Path, echo: bool = True) -> None:
     """results.md and the figures from a study's saved results (the verdicts computed again from its runs);
     `echo`: print the report too (studies.compare prints its own short table instead)."""
-    study = settings_from(Study, saved["study"], "python -m studies.ablate --help")
+    study, base = recorded_settings(saved)
     study.validate()
-    base = settings_from(Config, saved["config"], "python train.py --help")
     offsets = saved["probe_offsets"]
     runs = saved_runs(saved)
     summary = summarise(runs, study, offsets)

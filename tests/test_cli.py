@@ -232,6 +232,10 @@ def test_ablate_settings_of_the_wrong_type(tmp_path, table, message, capsys):
         (lambda saved: saved["runs"]["learned"]["reference"].pop("21"), "no_doc_mask has seeds [21] that its baseline"),
         (lambda saved: saved.update(runs=[]), "is not a study's results.json: it holds no runs"),
         (lambda saved: saved.update(runs=["learned"]), "AttributeError"),
+        (
+            lambda saved: saved["config"].update(seq_len="x"),
+            "results.json cannot be read as a study's results.json (its recorded settings do not read: seq_len='x'",
+        ),
     ],
 )
 def test_a_damaged_results_json_is_one_line_and_no_report(tmp_path, damage, message, capsys):
