@@ -320,6 +320,6 @@ def run_summary(cfg: Config, seconds: float, world_size: int = 1, stopped_after:
             f"  sample:   {shlex.join(['python', 'sample.py', out])}",
             f"  export:   {shlex.join(['python', 'export_hf.py', out, f'--to=hf/{out_dir.resolve().name}'])}",
             f"  continue: {train_command(cfg, world_size, f'--max_iters={2 * cfg.max_iters}')}"
-            "  (the learning-rate schedule is re-timed: README, Runs)",
+            "  (the learning-rate schedule is re-timed: results/README.md, Runs)",
         ]
     )

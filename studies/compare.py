@@ -9,7 +9,8 @@
 It trains the practitioner's two arms: careful packing (the reference: document mask, reset positions,
 boundary loss mask, each document opened by its start marker) against standard concatenation (the naive
 arm: the same rows and tokens, the three fixes off), with RoPE positions, on 6 seeds (configs/compare.toml;
-any train.py or [ablate] key can be given as --key=value). Each effect is paired by seed: the naive arm's
+any train.py or [ablate] key can be given as --key=value: python train.py --help and python -m
+studies.ablate --help list them). Each effect is paired by seed: the naive arm's
 loss minus the reference's, positive where careful packing helps.
 
 Before training it prints what the comparison can decide (the smallest effect it finds with power 0.8 at

@@ -1,4 +1,4 @@
-"""Fuzzing the command lines: train.py, sample.py, ablate.py and bench.py, each given adversarial values
+"""Fuzzing the command lines: train.py, sample.py, studies.ablate and bench.attention, each given adversarial values
 (empty, nan, inf, negative, huge, unicode, a folder, a file, a missing path) for one to three of its
 keys on top of a tiny, valid base. Every outcome must be either exit 0 with a working result, or a
 non-zero exit whose stderr ends in one line starting "error:" with no traceback; and nothing outside the
