@@ -474,7 +474,7 @@ def cut(result: dict, key: str) -> dict:
 
 
 KEPT_RUNS = {  # runs this code's studies wrote, kept: with every list a run writes, under the marker and without
-    "marker": "results/practitioner_packages/runs/practitioner_packages/rope/naive/seed600/result.json",
+    "marker": "results/decided/practitioner_packages/runs/practitioner_packages/rope/naive/seed600/result.json",
     "no marker": "results/decided/confirm_rung2/runs/confirm_rung2/learned/no_bos/seed500/result.json",
 }
 DAMAGES = [
