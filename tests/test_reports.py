@@ -7,6 +7,7 @@ import math
 import re
 import shutil
 import subprocess
+import tomllib
 
 import numpy as np
 import pytest
@@ -80,17 +81,26 @@ def test_the_committed_ladder_is_what_todays_code_writes(tmp_path, monkeypatch, 
         )
 
 
-def test_the_committed_confirmatory_decisions_are_what_todays_code_writes(tmp_path, monkeypatch, capsys):
-    """From the committed studies that configs/confirm.toml registers: the decisions, every number beside them."""
+@pytest.mark.parametrize(
+    "registration, studies_dir, decided_dir",
+    [
+        ("configs/confirm.toml", "results/decided", "results/decided/confirm"),
+        ("configs/practitioner.toml", "results/decided", "results/decided/practitioner"),
+    ],
+)
+def test_the_committed_registered_decisions_are_what_todays_code_writes(
+    registration, studies_dir, decided_dir, tmp_path, monkeypatch, capsys
+):
+    """From the committed studies that a registration names: the decisions, every number beside them."""
     monkeypatch.chdir(ROOT)
-    assert confirm.main(["configs/confirm.toml", "--studies_dir=results/decided", f"--out_dir={tmp_path}"]) == 0, (
+    assert confirm.main([registration, f"--studies_dir={studies_dir}", f"--out_dir={tmp_path}"]) == 0, (
         capsys.readouterr().err
     )
     for name in ("confirm.md", "confirm.json"):
-        assert (tmp_path / name).read_bytes() == (DECIDED / "confirm" / name).read_bytes(), (
-            f"results/decided/confirm/{name} is not what today's code writes from the committed studies: if the change "
-            "is meant, rebuild it (python -m studies.confirm configs/confirm.toml --studies_dir=results/decided "
-            "--out_dir=results/decided/confirm) and say what changed in its README.md"
+        assert (tmp_path / name).read_bytes() == (ROOT / decided_dir / name).read_bytes(), (
+            f"{decided_dir}/{name} is not what today's code writes from the committed studies: if the change is "
+            f"meant, rebuild it (python -m studies.confirm {registration} --studies_dir={studies_dir} "
+            f"--out_dir={decided_dir}) and say what changed in its README.md"
         )
 
 
@@ -161,6 +171,75 @@ def test_the_committed_confirmatory_decisions_recompute_with_scipy_from_the_runs
     se, df = late.std(ddof=1) / math.sqrt(len(late)), len(late) - 1
     tost = max(scipy.stats.t.sf((late.mean() + 0.02) / se, df), scipy.stats.t.cdf((late.mean() - 0.02) / se, df))
     assert decided["equivalence"]["the position reset's late band, learned"]["p"] == pytest.approx(tost, rel=1e-9)
+
+
+PRACTITIONER_FIRST_SEEDS = {"packages": 600, "docs": 700, "docs_large": 900}
+
+
+def practitioner_runs(study: str, pos: str, variant: str) -> dict[int, dict]:
+    runs = DECIDED / f"practitioner_{study}" / "runs" / f"practitioner_{study}" / pos / variant
+    return {
+        int(f.parent.name.removeprefix("seed")): json.loads(f.read_text())["result"] for f in runs.glob("*/result.json")
+    }
+
+
+def whole_loss(result: dict, endpoint: str) -> float:
+    """A run's loss over every validation document's targets from its second token, pooled: scored alone
+    (`from_second`, the first token's loss taken out of each document's sum) or after the documents before it
+    in its row (`in_context`, whose sums start at the second token)."""
+    targets = sum(result["val_doc_count_by_document"]) - len(result["val_doc_count_by_document"])
+    if endpoint == "in_context":
+        return sum(result["val_doc_loss_in_context_sum_by_document"]) / targets
+    return (sum(result["val_doc_loss_sum_by_document"]) - sum(result["val_doc_first_token_loss_by_document"])) / targets
+
+
+def practitioner_effects(study: str, pos: str, endpoint: str) -> np.ndarray:
+    """Per seed, the naive arm's whole-document loss minus the reference's, from runs of one commit, one thread
+    and one CPU model a seed."""
+    reference, naive = practitioner_runs(study, pos, "reference"), practitioner_runs(study, pos, "naive")
+    first = PRACTITIONER_FIRST_SEEDS[study]
+    assert sorted(reference) == sorted(naive) == list(range(first, first + 8))
+    for seed in reference:
+        pair = (reference[seed], naive[seed])
+        assert {(r["trained_at_commit"], r["threads"]) for r in pair} == {("c602490", 1)}
+        assert pair[0]["trained_on"] == pair[1]["trained_on"]
+    return np.array([whole_loss(naive[s], endpoint) - whole_loss(reference[s], endpoint) for s in sorted(reference)])
+
+
+def test_the_committed_practitioner_decisions_recompute_with_scipy_from_the_runs():
+    """Independent of studies/: the twelve tests configs/practitioner.toml registers, from each run's
+    per-document sums, scipy's tests and Holm's step-down written out here."""
+    decided = json.loads((DECIDED / "practitioner" / "confirm.json").read_text())["primary"]
+    registered = tomllib.loads((ROOT / "configs" / "practitioner.toml").read_text())["primary"]
+    assert [test["name"] for test in registered] == list(decided)
+    p, rank_p, estimate, direction = {}, {}, {}, {}
+    for test in registered:
+        name, after = test["name"], practitioner_effects(test["study"], test["pos"], test["endpoint"])
+        if "growth_from" in test:
+            before = practitioner_effects(test["growth_from"], test["pos"], test["endpoint"])
+            estimate[name] = after.mean() - before.mean()
+            p[name] = scipy.stats.ttest_ind(after, before, equal_var=False).pvalue
+            rank_p[name] = scipy.stats.mannwhitneyu(after, before).pvalue
+            away_from_zero = estimate[name] * before.mean() > 0
+            past_zero = before.mean() * after.mean() < 0
+            direction[name] = "grows" if away_from_zero else "shrinks, past 0" if past_zero else "shrinks"
+        else:
+            estimate[name] = after.mean()
+            p[name] = scipy.stats.ttest_1samp(after, 0.0).pvalue
+            rank_p[name] = scipy.stats.wilcoxon(after).pvalue
+            direction[name] = "hurts" if after.mean() > 0 else "helps"
+    holm, running = {}, 0.0
+    for step, name in enumerate(sorted(p, key=p.get)):
+        running = max(running, min(1.0, (len(p) - step) * p[name]))
+        holm[name] = running
+    for name, r in decided.items():
+        # the runs recorded their whole-document losses before rounding the per-document sums they keep
+        assert r["estimate"] == pytest.approx(estimate[name], abs=1e-6)
+        assert r["whole"] == pytest.approx(estimate[name], abs=1e-6)
+        assert r["p"] == pytest.approx(p[name], rel=1e-3)
+        assert r["p_holm"] == pytest.approx(holm[name], rel=1e-3)
+        assert r["p_rank"] == pytest.approx(rank_p[name], rel=1e-9)
+        assert r["verdict"] == (direction[name] if holm[name] < 0.05 else "unresolved")
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git tells which folders are committed")
