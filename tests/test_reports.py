@@ -242,6 +242,22 @@ def test_the_committed_practitioner_decisions_recompute_with_scipy_from_the_runs
         assert r["verdict"] == (direction[name] if holm[name] < 0.05 else "unresolved")
 
 
+def test_the_committed_practitioner_rounding_rows_are_the_eager_rerun_minus_the_compiled_run():
+    """How far training eager moved seed 600's reference, from the two runs' sums: no study code involved."""
+    rounding = json.loads((DECIDED / "practitioner" / "confirm.json").read_text())["rounding"]
+    assert sorted(rounding) == ["learned/seed600", "rope/seed600"]
+    for pos in ("learned", "rope"):
+        compiled = practitioner_runs("packages", pos, "reference")[600]
+        eager = next(iter(practitioner_runs("rounding", pos, "reference").values()))
+        moved = {
+            "early": band_loss(eager, 0, 16) - band_loss(compiled, 0, 16),
+            "late": band_loss(eager, 256, 1024) - band_loss(compiled, 256, 1024),
+            "from_second": whole_loss(eager, "from_second") - whole_loss(compiled, "from_second"),
+            "in_context": whole_loss(eager, "in_context") - whole_loss(compiled, "in_context"),
+        }
+        assert rounding[f"{pos}/seed600"] == pytest.approx(moved, abs=1e-6)
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="git tells which folders are committed")
 def test_a_committed_report_is_rewritten_only_where_told(tmp_path, monkeypatch, capsys):
     """A results.json that git tracks: without --out_dir nothing is written (one error line); with its
