@@ -515,26 +515,30 @@ def plot(runs: dict, summary: dict, study: Study, offsets: list[int], out: Path)
 
     kinds = list(runs)
 
-    def panels(width: float = 6):
-        fig, axes = plt.subplots(1, len(kinds), figsize=(width * len(kinds), 4.5), sharey=True, squeeze=False)
+    def panels(rows: int = 1, width: float = 6):
+        fig, axes = plt.subplots(
+            rows, len(kinds), figsize=(width * len(kinds), 4.5 * rows), sharey="row", squeeze=False
+        )
         for ax, pos in zip(axes[0], kinds):
             ax.set_title(f"pos_emb = {pos}")
+        for ax in axes.flat:
             ax.grid(alpha=0.3)
-        return fig, axes[0]
+        return fig, axes
 
-    fig, axes = panels()
+    fig, (axes,) = panels()
     for ax in axes[1:]:  # one effect scale for every panel, so that panels compare at a glance
         ax.sharex(axes[0])
     draw_effects(axes, runs, summary, study)
     save_figure(fig, out / "effects.png")
-    fig, axes = panels()
-    draw_loss_by_position(axes, runs, study)
+    fig, (arms, differences) = panels(rows=2)
+    draw_arm_loss_by_position(arms, runs)
+    draw_loss_by_position(differences, runs, study)
     save_figure(fig, out / "loss_by_position.png")
-    fig, axes = panels()
+    fig, (axes,) = panels()
     draw_offset_probe(axes, runs, offsets)
     save_figure(fig, out / "offset_probe.png")
     if all("import_leak" in r for pos in runs for cell in runs[pos].values() for r in cell.values()):
-        fig, axes = panels()
+        fig, (axes,) = panels()
         draw_import_leak(axes, runs)
         save_figure(fig, out / "import_leak.png")
     plt.close("all")
@@ -571,20 +575,49 @@ def positions_scored(result: dict) -> int:
     return int(np.flatnonzero(result["val_doc_count_by_position"]).max(initial=0)) + 1
 
 
-def draw_loss_by_position(axes, runs: dict, study: Study) -> None:
-    """loss_by_position.png: each variant's difference to its baseline by position within the document."""
+IN_CONTEXT_SUMS = "val_doc_loss_in_context_sum_by_position"  # a run scored in context as well keeps these
+
+
+def position_bins(cells: dict) -> tuple[list[list[int]], list[float]]:
+    """Bins of within-document positions, wider further in (every run scored each), and their centres."""
+    n = min(positions_scored(r) for cell in cells.values() for r in cell.values())
+    edges = np.unique(np.r_[0, np.geomspace(1, n, 14).astype(int)])
+    bins = [[int(a), int(b)] for a, b in zip(edges[:-1], edges[1:])]
+    return bins, [(a + b - 1) / 2 for a, b in bins]
+
+
+def draw_arm_loss_by_position(axes, runs: dict) -> None:
+    """loss_by_position.png, top row: each arm's loss by position within the document, the mean over seeds,
+    scored alone (solid) and, where every run kept those sums, in context (dashed)."""
     for ax, pos in zip(axes, runs):
-        n = min(positions_scored(r) for cell in runs[pos].values() for r in cell.values())
-        edges = np.unique(np.r_[0, np.geomspace(1, n, 14).astype(int)])
-        centers = [(a + b - 1) / 2 for a, b in zip(edges[:-1], edges[1:])]
+        bins, centers = position_bins(runs[pos])
+        for variant, cell in runs[pos].items():
+            alone = [[band_loss(r, b) for b in bins] for r in cell.values()]
+            (line,) = ax.plot(centers, np.mean(alone, axis=0), marker="o", ms=3, label=variant)
+            if all(IN_CONTEXT_SUMS in r for r in cell.values()):
+                in_context = [[band_loss(r, b, sums=IN_CONTEXT_SUMS) for b in bins] for r in cell.values()]
+                ax.plot(
+                    centers,
+                    np.mean(in_context, axis=0),
+                    ls="--",
+                    color=line.get_color(),
+                    label=f"{variant}, in context",
+                )
+        ax.set_xscale("symlog")
+    axes[0].set_ylabel("loss a token (mean over seeds)")
+    axes[0].legend(fontsize=8)
+
+
+def draw_loss_by_position(axes, runs: dict, study: Study) -> None:
+    """loss_by_position.png, bottom row: each variant's difference to its baseline by position within the
+    document, scored alone."""
+    for ax, pos in zip(axes, runs):
+        bins, centers = position_bins(runs[pos])
         for variant, cell in runs[pos].items():
             if variant == "reference":
                 continue
             ref = runs[pos][BASELINES.get(variant, "reference")]
-            deltas = [
-                [band_loss(cell[s], [a, b]) - band_loss(ref[s], [a, b]) for a, b in zip(edges[:-1], edges[1:])]
-                for s in cell
-            ]
+            deltas = [[band_loss(cell[s], b) - band_loss(ref[s], b) for b in bins] for s in cell]
             ax.plot(centers, np.mean(deltas, axis=0), marker="o", ms=3, label=variant)
         ax.axhline(0, color="black", lw=0.8)
         ax.axvspan(study.early_band[0], study.early_band[1] - 1, color="gray", alpha=0.15)

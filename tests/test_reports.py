@@ -65,6 +65,35 @@ def test_json_that_is_no_study_is_said_to_be_none(text, tmp_path, capsys):
     assert capsys.readouterr().err == f"error: {path} is not a study's results.json: it holds no runs\n"
 
 
+def test_the_arms_by_position_are_each_arms_mean_loss_alone_and_in_context():
+    """loss_by_position.png's top row, from sums worked by hand: each arm's mean over seeds in each position bin,
+    and a dashed in-context line only for an arm whose every run kept the in-context sums."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def run(alone: list[float], in_context: list[float] | None = None) -> dict:
+        result = {"val_doc_loss_sum_by_position": alone, "val_doc_count_by_position": [2, 2, 1, 0]}
+        return result if in_context is None else {**result, report.IN_CONTEXT_SUMS: in_context}
+
+    runs = {
+        "rope": {
+            "reference": {0: run([2, 4, 3, 0], [1, 2, 3, 0]), 1: run([4, 8, 1, 0], [3, 2, 1, 0])},
+            "naive": {0: run([6, 6, 5, 0]), 1: run([2, 2, 5, 0], [0, 0, 0, 0])},
+        }
+    }
+    fig, axes = plt.subplots(1, 1, squeeze=False)
+    report.draw_arm_loss_by_position(axes[0], runs)
+    lines = {line.get_label(): line for line in axes[0][0].get_lines()}
+    assert list(lines) == ["reference", "reference, in context", "naive"]
+    assert list(lines["reference"].get_xdata()) == [0, 1, 2]  # positions 0, 1 and 2: the third holds one target
+    assert list(lines["reference"].get_ydata()) == [1.5, 3.0, 2.0]
+    assert list(lines["reference, in context"].get_ydata()) == [1.0, 1.0, 2.0]
+    assert list(lines["naive"].get_ydata()) == [2.0, 2.0, 5.0]
+    plt.close(fig)
+
+
 def test_the_committed_ladder_is_what_todays_code_writes(tmp_path, monkeypatch, capsys):
     """From the committed rungs, the configs it names, in the order it has them."""
     monkeypatch.chdir(ROOT)
